@@ -1,0 +1,185 @@
+"""The one training loop behind every ``example/<strategy>/train.py``.
+
+    python example/single_device/train.py --model gpt2_bytes --steps 100 --lr 1e-3
+    torchrun --standalone --nproc_per_node=2 example/fsdp/train.py --model gpt2_bytes
+
+Every rank reads its own slice of each global batch (``example/data.py``), so N ranks with
+``--batch_size b`` see exactly the tokens of one process with batch N x b. Rank 0 draws the
+progress bar and prints one line per step with fixed fields; the logged loss is the mean over
+ranks.
+"""
+
+import argparse
+import contextlib
+import math
+import os
+import resource
+import sys
+import time
+from typing import List, Optional
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from tqdm import tqdm
+
+from example.data import TokenBatches, check_vocab, default_corpus_description, load_tokens
+from example.model import GPT2Model, GPTConfigs
+from example.strategies import STRATEGIES, build_strategy
+from example.tokenizer import get_tokenizer
+from tiny_fsdp.core.utils.dist import DistEnv, init_distributed
+
+
+def build_arg_parser(strategy: str) -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=f"Train GPT-2 with the {strategy} strategy.")
+    p.add_argument("--model", default="gpt2", choices=GPTConfigs.names())
+    p.add_argument("--lr", type=float, default=1e-5, help="peak learning rate")
+    p.add_argument("--steps", type=int, default=100, help="optimizer steps")
+    p.add_argument("--weight_decay", type=float, default=1e-1, help="AdamW decay (matrices)")
+    p.add_argument("--optimizer", default="adamw", choices=["adamw", "sgd"])
+    p.add_argument("--momentum", type=float, default=0.9, help="SGD momentum")
+    p.add_argument("--batch_size", type=int, default=4, help="sequences per rank per micro-step")
+    p.add_argument("--seq_len", type=int, default=128)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--device", default=None, help="cuda if present, else cpu")
+    p.add_argument("--data", default=None, help="text file or uint16 .bin; default: embedded")
+    p.add_argument("--tokenizer", default="auto", choices=["auto", "byte", "gpt2"])
+    p.add_argument("--log_every", type=int, default=10, help="print a log line every N steps")
+    p.add_argument("--eval_every", type=int, default=0, help="validation loss every N steps")
+    p.add_argument("--eval_batches", type=int, default=4)
+    p.add_argument("--warmup_steps", type=int, default=0, help="linear warmup, then cosine")
+    p.add_argument("--min_lr_ratio", type=float, default=0.1, help="cosine floor / peak lr")
+    p.add_argument("--grad_accum", type=int, default=1, help="micro-steps per optimizer step")
+    p.add_argument("--grad_ckpt", action="store_true", help="recompute blocks in backward")
+    p.add_argument("--async_comm", action="store_true", help="enable_async_communication")
+    if strategy == "zero3":
+        p.add_argument("--evenness_priority", type=float, default=0.0)
+    return p
+
+
+def lr_at(step: int, args: argparse.Namespace) -> float:
+    """Linear warmup to ``args.lr`` over ``warmup_steps``, then cosine to ``min_lr_ratio * lr``."""
+    if step < args.warmup_steps:
+        return args.lr * (step + 1) / args.warmup_steps
+    progress = (step - args.warmup_steps) / max(1, args.steps - args.warmup_steps)
+    floor = args.min_lr_ratio * args.lr
+    return floor + 0.5 * (args.lr - floor) * (1 + math.cos(math.pi * min(progress, 1.0)))
+
+
+def peak_memory_bytes(device: torch.device) -> int:
+    """CUDA: max allocated by tensors; CPU: the process's peak resident set size."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device)
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
+
+
+def mean_over_ranks(value: float, env: DistEnv) -> float:
+    if env.world_size == 1:
+        return value
+    t = torch.tensor([value], dtype=torch.float64, device=env.device)
+    dist.all_reduce(t)  # logging only: not part of the strategy's traffic
+    return t.item() / env.world_size
+
+
+def lm_loss(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    logits = model(x)  # (B, T, vocab)
+    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1))
+
+
+@torch.no_grad()
+def evaluate(model, batches: TokenBatches, args, env: DistEnv, step: int) -> float:
+    model.eval()
+    losses = []
+    for i in range(args.eval_batches):
+        x, y = batches.get_batch(i, "val", args.batch_size, env.rank, env.world_size)
+        losses.append(lm_loss(model, x.to(env.device), y.to(env.device)).item())
+    model.train()
+    return mean_over_ranks(sum(losses) / len(losses), env)
+
+
+def setup(strategy: str, args: argparse.Namespace) -> DistEnv:
+    if strategy == "single_device":
+        device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        return DistEnv(0, 0, 1, device)
+    return init_distributed(args.device)
+
+
+def main(strategy: str, argv: Optional[List[str]] = None) -> List[float]:
+    """Run training; return the logged (rank-mean) loss of every step."""
+    if strategy not in STRATEGIES:
+        raise ValueError(f"unknown strategy {strategy!r}; choose one of {sorted(STRATEGIES)}")
+    args = build_arg_parser(strategy).parse_args(argv)
+    env = setup(strategy, args)
+    master = env.is_master
+    torch.manual_seed(args.seed)
+
+    tokenizer = get_tokenizer(args.tokenizer)
+    tokens = load_tokens(args.data, tokenizer)
+    config = GPTConfigs.get(args.model)
+    check_vocab(tokens, config.vocab_size, args.data or "the embedded corpus")
+    if args.seq_len > config.block_size:
+        raise ValueError(f"--seq_len {args.seq_len} exceeds block_size {config.block_size}")
+    batches = TokenBatches(tokens, args.seq_len, args.seed, source=args.data or "embedded")
+
+    model, optimizer = build_strategy(strategy, lambda: GPT2Model(config), args, env)
+    if args.grad_ckpt:
+        model.gradient_checkpointing = True
+    if master:
+        source = args.data or default_corpus_description()
+        print(
+            f"{strategy} | {env.world_size} rank(s) on {env.device} | model {args.model} "
+            f"({_count(config)} params) | "
+            f"{tokens.numel():,} tokens ({tokenizer.name}) from {source}"
+        )
+
+    tokens_per_step = args.batch_size * args.seq_len * args.grad_accum * env.world_size
+    losses: List[float] = []
+    bar = tqdm(range(args.steps), disable=not master, file=sys.stdout, dynamic_ncols=True)
+    for step in bar:
+        t0 = time.perf_counter()
+        for group in optimizer.param_groups:
+            group["lr"] = lr_at(step, args)
+        step_loss = 0.0
+        for micro in range(args.grad_accum):
+            x, y = batches.get_batch(
+                step * args.grad_accum + micro, "train", args.batch_size, env.rank, env.world_size
+            )
+            sync = micro == args.grad_accum - 1
+            with _maybe_no_sync(model, sync):
+                loss = lm_loss(model, x.to(env.device), y.to(env.device)) / args.grad_accum
+                loss.backward()
+            step_loss += loss.item()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        if env.device.type == "cuda":
+            torch.cuda.synchronize(env.device)
+        ms = (time.perf_counter() - t0) * 1e3
+        losses.append(mean_over_ranks(step_loss, env))
+        if master and (step % args.log_every == 0 or step == args.steps - 1):
+            mem = peak_memory_bytes(env.device) / 2**30
+            line = (
+                f"step {step:5d} | loss {losses[-1]:.4f} | lr {lr_at(step, args):.2e} | "
+                f"{ms:8.1f} ms | {tokens_per_step / ms * 1e3:9.0f} tok/s | mem {mem:.2f} GiB"
+            )
+            bar.set_postfix(loss=f"{losses[-1]:.4f}")
+            tqdm.write(line, file=sys.stdout)
+        if args.eval_every and (step + 1) % args.eval_every == 0:
+            val = evaluate(model, batches, args, env, step)
+            if master:
+                tqdm.write(f"step {step:5d} | val loss {val:.4f}", file=sys.stdout)
+    if env.world_size > 1 and dist.is_initialized() and "RANK" in os.environ:
+        dist.destroy_process_group()
+    return losses
+
+
+def _count(config) -> str:
+    with torch.device("meta"):
+        n = GPT2Model(config).num_parameters()
+    return f"{n / 1e6:.2f}M"
+
+
+def _maybe_no_sync(model: torch.nn.Module, sync: bool):
+    """``model.no_sync()`` for a micro-step that must not communicate, else nothing."""
+    if sync or not hasattr(model, "no_sync"):
+        return contextlib.nullcontext()
+    return model.no_sync()

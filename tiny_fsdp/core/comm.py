@@ -1,0 +1,110 @@
+"""Every collective the library issues goes through here, and is counted in the ledger.
+
+[Note: communication ledger]
+``LEDGER`` counts, per collective kind, the number of calls and the *payload* bytes of one rank:
+the tensor it contributes or receives in full (all-reduce: the tensor; all-gather: the gathered
+output; reduce-scatter: the unsharded input; broadcast / reduce: the tensor). ``traffic_bytes()``
+turns payloads into the bytes a rank sends with ring algorithms, the model the ZeRO paper uses:
+an all-reduce moves 2 (N-1)/N of its payload, an all-gather, a reduce-scatter, a broadcast or a
+reduce (N-1)/N. Counting costs two dictionary updates per call.
+"""
+
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Dict, List, Optional
+
+import torch
+import torch.distributed as dist
+
+# torch >= 2.13 renames the *_into_tensor / *_tensor collectives; use whichever exists.
+_all_gather_tensor = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter_tensor = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+_RING_FACTOR = {"all_reduce": 2.0}  # every other kind: 1.0
+
+
+@dataclass
+class CommLedger:
+    """Calls and payload bytes per collective kind on this rank ([Note: communication ledger])."""
+
+    calls: Counter = field(default_factory=Counter)
+    payload_bytes: Counter = field(default_factory=Counter)
+
+    def record(self, kind: str, tensor: torch.Tensor) -> None:
+        self.calls[kind] += 1
+        self.payload_bytes[kind] += tensor.numel() * tensor.element_size()
+
+    def reset(self) -> None:
+        self.calls.clear()
+        self.payload_bytes.clear()
+
+    def traffic_bytes(self, world_size: int) -> Dict[str, float]:
+        """Bytes this rank sends per kind under the ring model (0 on one rank)."""
+        scale = (world_size - 1) / world_size
+        return {
+            kind: n * _RING_FACTOR.get(kind, 1.0) * scale for kind, n in self.payload_bytes.items()
+        }
+
+
+LEDGER = CommLedger()
+
+
+def all_reduce(
+    tensor: torch.Tensor,
+    op: dist.ReduceOp = dist.ReduceOp.SUM,
+    group: Optional[dist.ProcessGroup] = None,
+    async_op: bool = False,
+) -> Optional[dist.Work]:
+    LEDGER.record("all_reduce", tensor)
+    return dist.all_reduce(tensor, op=op, group=group, async_op=async_op)
+
+
+def all_gather(
+    output: torch.Tensor,
+    input: torch.Tensor,
+    group: Optional[dist.ProcessGroup] = None,
+    async_op: bool = False,
+) -> Optional[dist.Work]:
+    """``output`` (N * k,) <- the ``input`` (k,) of every rank, in rank order."""
+    LEDGER.record("all_gather", output)
+    return _all_gather_tensor(output, input, group=group, async_op=async_op)
+
+
+def reduce_scatter(
+    output: torch.Tensor,
+    input: torch.Tensor,
+    op: dist.ReduceOp = dist.ReduceOp.SUM,
+    group: Optional[dist.ProcessGroup] = None,
+    async_op: bool = False,
+) -> Optional[dist.Work]:
+    """``output`` (k,) <- rank r's chunk of the reduction of every rank's ``input`` (N * k,)."""
+    LEDGER.record("reduce_scatter", input)
+    return _reduce_scatter_tensor(output, input, op=op, group=group, async_op=async_op)
+
+
+def broadcast(
+    tensor: torch.Tensor,
+    src: int,
+    group: Optional[dist.ProcessGroup] = None,
+    async_op: bool = False,
+) -> Optional[dist.Work]:
+    LEDGER.record("broadcast", tensor)
+    return dist.broadcast(tensor, src=src, group=group, async_op=async_op)
+
+
+def reduce(
+    tensor: torch.Tensor,
+    dst: int,
+    op: dist.ReduceOp = dist.ReduceOp.SUM,
+    group: Optional[dist.ProcessGroup] = None,
+    async_op: bool = False,
+) -> Optional[dist.Work]:
+    LEDGER.record("reduce", tensor)
+    return dist.reduce(tensor, dst=dst, op=op, group=group, async_op=async_op)
+
+
+def all_gather_object(obj: object, group: Optional[dist.ProcessGroup] = None) -> List[object]:
+    """Every rank's ``obj`` in rank order (metadata only; not counted in the ledger)."""
+    out: List[object] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(out, obj, group=group)
+    return out

@@ -1,0 +1,91 @@
+"""Base class of the layer wrappers: forward and backward through one autograd.Function per class.
+
+[Note: callback layers]
+A wrapper such as ``tiny_fsdp.core.module.Linear`` is a subclass of the ``torch.nn`` layer with the
+same constructor, parameters and ``state_dict`` keys. Its ``forward`` calls ``cls.function``, an
+``autograd.Function`` made once when the wrapper class is defined. That Function:
+
+1. forward: ``ctx.params = handler.fetch(module, "forward")``, then
+   ``out = module.forward_callback(ctx, *inputs)``, then ``handler.release(module, "forward")``;
+2. backward: ``ctx.params = handler.fetch(module, "backward")``, then
+   ``grad_inputs, grad_params = module.backward_callback(ctx, grad_output)``, then
+   ``handler.release(module, "backward")`` and
+   ``handler.reduce_grads(module, grad_params)`` gives the local parameters' gradients.
+
+``ctx.params`` holds the full parameters only for the duration of one callback, so a strategy that
+frees them after use is never defeated by a stray reference. ``ctx.param_needs_grad`` says which
+parameter gradients are wanted (frozen parameters and absent biases get ``None``). The layer math
+lives only in the callbacks; strategies only provide the handler (see [Note: param handler]).
+"""
+
+from typing import Any, Optional, Tuple
+
+import torch
+from torch import nn
+
+from tiny_fsdp.core.module.handler import LOCAL_HANDLER, ParamHandler
+
+
+class CallbackFunction(torch.autograd.Function):
+    """Runs a wrapped layer's callbacks between its handler's fetch and release."""
+
+    @staticmethod
+    def forward(ctx: Any, module: "CallbackModule", n_inputs: int, *args: Any) -> torch.Tensor:
+        local_params = args[n_inputs:]
+        handler = module.param_handler
+        ctx.module = module
+        ctx.param_needs_grad = tuple(p is not None and p.requires_grad for p in local_params)
+        ctx.params = handler.fetch(module, "forward")
+        try:
+            out = module.forward_callback(ctx, *args[:n_inputs])
+        finally:
+            del ctx.params
+            handler.release(module, "forward")
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, grad_output: torch.Tensor) -> Tuple[Optional[torch.Tensor], ...]:
+        module = ctx.module
+        handler = module.param_handler
+        ctx.params = handler.fetch(module, "backward")
+        try:
+            grad_inputs, grad_params = module.backward_callback(ctx, grad_output)
+        finally:
+            del ctx.params
+            handler.release(module, "backward")
+        local_grads = handler.reduce_grads(module, tuple(grad_params))
+        return (None, None, *grad_inputs, *local_grads)
+
+
+class CallbackModule(nn.Module):
+    """Mixin for layer wrappers. Subclasses set ``param_names`` and write the two callbacks.
+
+    Attributes:
+        param_names: names of the layer's parameters, in the order of ``ctx.params``.
+        param_handler: how parameters are fetched / released / reduced ([Note: param handler]);
+            a class default for single-device training, set per instance by a strategy.
+        function: the ``autograd.Function`` of this class, created once per subclass.
+    """
+
+    param_names: Tuple[str, ...] = ()
+    param_handler: ParamHandler = LOCAL_HANDLER
+    function: type
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        # One Function class per wrapper class: defined once, named after the layer in traces.
+        cls.function = type(f"{cls.__name__}Function", (CallbackFunction,), {})
+
+    def forward(self, *inputs: torch.Tensor) -> torch.Tensor:
+        local_params = tuple(getattr(self, name) for name in self.param_names)
+        return self.function.apply(self, len(inputs), *inputs, *local_params)
+
+    def forward_callback(self, ctx: Any, *inputs: torch.Tensor) -> torch.Tensor:
+        """Compute the output from ``inputs`` and ``ctx.params``; save what backward needs."""
+        raise NotImplementedError
+
+    def backward_callback(
+        self, ctx: Any, grad_output: torch.Tensor
+    ) -> Tuple[Tuple[Optional[torch.Tensor], ...], Tuple[Optional[torch.Tensor], ...]]:
+        """Return ``(grad_inputs, grad_params)``; ``grad_params`` follows ``param_names``."""
+        raise NotImplementedError

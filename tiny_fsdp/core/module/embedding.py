@@ -1,0 +1,44 @@
+"""``Embedding`` wrapper: a row lookup whose gradient scatters back into the rows."""
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from tiny_fsdp.core.module.base import CallbackModule
+
+
+class Embedding(CallbackModule, nn.Embedding):
+    """Drop-in ``nn.Embedding``. ``weight``: (num_embeddings, dim); ``idx``: any int shape.
+
+    The row at ``padding_idx`` gets no gradient, as in ``torch.nn``. ``max_norm``,
+    ``scale_grad_by_freq`` and ``sparse`` are not supported (``check_supported`` says so).
+    """
+
+    param_names = ("weight",)
+
+    def check_supported(self) -> None:
+        """Raise if this instance uses an option the wrapper does not implement."""
+        if self.max_norm is not None or self.scale_grad_by_freq or self.sparse:
+            raise NotImplementedError(
+                "tiny_fsdp Embedding supports neither max_norm, scale_grad_by_freq nor sparse "
+                f"(got max_norm={self.max_norm}, scale_grad_by_freq={self.scale_grad_by_freq}, "
+                f"sparse={self.sparse}); build the nn.Embedding without them."
+            )
+
+    def forward_callback(self, ctx: Any, idx: torch.Tensor) -> torch.Tensor:
+        (weight,) = ctx.params
+        ctx.save_for_backward(idx)
+        return F.embedding(idx, weight, self.padding_idx)
+
+    def backward_callback(self, ctx: Any, grad_output: torch.Tensor) -> Any:
+        (idx,) = ctx.saved_tensors
+        (weight,) = ctx.params
+        grad_weight = None
+        if ctx.param_needs_grad[0]:
+            flat_grad = grad_output.reshape(-1, weight.shape[1])  # (N, dim)
+            grad_weight = torch.zeros_like(weight).index_add_(0, idx.reshape(-1), flat_grad)
+            if self.padding_idx is not None:
+                grad_weight[self.padding_idx] = 0
+        return (None,), (grad_weight,)

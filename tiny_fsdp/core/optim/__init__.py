@@ -1,0 +1,15 @@
+"""Optimizers whose math is one per-tensor update rule (see ``[Note: one update rule]``)."""
+
+from .adamw import AdamW, adamw_update_
+from .base import BaseOptimizer, normalize_param_group, normalize_param_groups
+from .sgd import SGD, sgd_update_
+
+__all__ = [
+    "AdamW",
+    "BaseOptimizer",
+    "SGD",
+    "adamw_update_",
+    "normalize_param_group",
+    "normalize_param_groups",
+    "sgd_update_",
+]

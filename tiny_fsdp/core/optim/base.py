@@ -1,0 +1,159 @@
+"""Shared optimizer machinery: param-group normalisation and the step loop.
+
+[Note: one update rule]
+Each optimizer's math lives in exactly one plain function that updates ONE tensor in place,
+``rule_(param, grad, state, *, hyper-parameters) -> None`` (see ``sgd_update_`` and
+``adamw_update_``). The rule is elementwise: updating a tensor's slices separately, each with its
+own state dict, gives the same result as updating the whole tensor. This is what lets every
+data-parallel strategy reuse the same rule and differ only in WHICH tensors it feeds it:
+
+* DDP: the full parameters, after all-reducing their grads;
+* ZeRO-1/2: only the parameters (or dim-0 shards of them) this rank owns;
+* ZeRO-3 / FSDP: flat fp32 master shards with their reduce-scattered grad shards.
+
+``BaseOptimizer.step`` loops over groups and asks ``_tensors_to_update(group)`` for
+``(param, grad, state)`` triples; a strategy's optimizer overrides only that method. The rule
+never modifies ``grad`` (it may be a communication buffer) and keeps everything it needs between
+steps in ``state``, which by default is ``self.state[param]`` so ``state_dict`` round-trips
+exactly like ``torch.optim``.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Iterable, Iterator, Optional, Union
+
+import torch
+from torch import Tensor
+
+NamedParam = tuple[str, Tensor]
+ParamsT = Union[Iterable[Tensor], Iterable[NamedParam], Iterable[dict[str, Any]]]
+
+
+def _split_names(items: list[Any]) -> tuple[list[Tensor], Optional[list[str]]]:
+    """Split ``[Tensor]`` or ``[(name, Tensor)]`` into tensors and names (None if unnamed)."""
+    tensors: list[Tensor] = []
+    names: list[str] = []
+    for item in items:
+        if isinstance(item, tuple):
+            if len(item) != 2 or not isinstance(item[0], str):
+                raise TypeError(f"named params must be (str, Tensor) pairs, got {item!r}")
+            names.append(item[0])
+            item = item[1]
+        if not isinstance(item, Tensor):
+            raise TypeError(f"optimizer can only optimize Tensors, got {torch.typename(item)}")
+        tensors.append(item)
+    if names and len(names) != len(tensors):
+        raise ValueError("all params of a group must be given with names, or all without")
+    return tensors, (names or None)
+
+
+def normalize_param_group(group: dict[str, Any], first_index: int = 0) -> dict[str, Any]:
+    """Return a copy of ``group`` with ``params`` a list of Tensors and ``param_names`` filled.
+
+    ``group["params"]`` may hold Tensors or ``(name, Tensor)`` pairs (e.g. from
+    ``model.named_parameters()``). Unnamed params get ``f"param{i}"`` where ``i`` is their flat
+    index across all groups (``first_index`` + position), which matches the integer ids used by
+    ``state_dict()``. Idempotent: normalising a normalised group changes nothing.
+    """
+    if not isinstance(group, dict):
+        raise TypeError(f"param_group must be a dict, got {type(group)}")
+    params = group["params"]
+    if isinstance(params, Tensor):
+        params = [params]
+    elif isinstance(params, set):
+        # Set order differs between runs, which would scramble state_dict ids.
+        raise TypeError("params must be an ordered collection, not a set")
+    tensors, names = _split_names(list(params))
+    given = group.get("param_names")
+    if names is not None and given is not None and list(given) != names:
+        raise ValueError("params given both as (name, param) pairs and with different param_names")
+    if names is None:
+        if given is not None:
+            names = list(given)
+            if len(names) != len(tensors) or not all(isinstance(n, str) for n in names):
+                raise ValueError(
+                    f"param_names must be {len(tensors)} strings, got {names!r} "
+                    f"for {len(tensors)} params"
+                )
+        else:
+            names = [f"param{first_index + i}" for i in range(len(tensors))]
+    return {**group, "params": tensors, "param_names": names}
+
+
+def normalize_param_groups(params: ParamsT) -> list[dict[str, Any]]:
+    """Turn any accepted ``params`` form into a list of normalised group dicts.
+
+    Accepted: Tensors, ``(name, Tensor)`` pairs (``model.named_parameters()``), or group dicts
+    whose ``params`` are either of those.
+    """
+    if isinstance(params, Tensor):
+        raise TypeError("params should be an iterable of Tensors or dicts, got a single Tensor")
+    if isinstance(params, set):
+        raise TypeError("params must be an ordered collection, not a set")
+    items = list(params)
+    if not items:
+        raise ValueError("optimizer got an empty parameter list")
+    n_dicts = sum(isinstance(item, dict) for item in items)
+    if n_dicts == 0:
+        items = [{"params": items}]
+    elif n_dicts != len(items):
+        raise TypeError("params must be all param-group dicts or no dicts at all")
+    groups = []
+    n_seen = 0
+    for group in items:
+        groups.append(normalize_param_group(group, first_index=n_seen))
+        n_seen += len(groups[-1]["params"])
+    return groups
+
+
+class BaseOptimizer(torch.optim.Optimizer):
+    """``torch.optim.Optimizer`` whose step applies one per-tensor update rule.
+
+    Subclasses implement ``_check_hyperparams`` and ``_update_``; strategies that update other
+    tensors than ``param`` itself override ``_tensors_to_update``. Every group carries
+    ``param_names`` (list of str, same length as ``params``).
+    """
+
+    def __init__(self, params: ParamsT, defaults: dict[str, Any]) -> None:
+        self._check_hyperparams(defaults)
+        super().__init__(normalize_param_groups(params), defaults)
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        """Normalise names, fill defaults, validate hyper-parameters, then register the group."""
+        n_existing = sum(len(g["params"]) for g in self.param_groups)
+        group = normalize_param_group(param_group, first_index=n_existing)
+        for key, value in self.defaults.items():
+            group.setdefault(key, value)
+        self._check_hyperparams(group)
+        super().add_param_group(group)
+
+    def _check_hyperparams(self, hyper: dict[str, Any]) -> None:
+        """Raise ValueError (naming the bad value) for invalid hyper-parameters."""
+
+    def _tensors_to_update(self, group: dict[str, Any]) -> Iterator[tuple[Tensor, Tensor, dict]]:
+        """Yield ``(tensor, grad, state)`` for every tensor the rule should update in ``group``.
+
+        Default: each parameter with a gradient, its ``.grad`` and ``self.state[param]``.
+        """
+        for param in group["params"]:
+            if param.grad is None:
+                continue
+            if param.grad.is_sparse:
+                raise RuntimeError(f"{type(self).__name__} does not support sparse gradients")
+            yield param, param.grad, self.state[param]
+
+    def _update_(self, param: Tensor, grad: Tensor, state: dict, group: dict[str, Any]) -> None:
+        """Apply the update rule to one tensor with the hyper-parameters of ``group``."""
+        raise NotImplementedError
+
+    @torch.no_grad()
+    def step(self, closure: Optional[Callable[[], Any]] = None) -> Any:
+        """One optimisation step over all groups; returns ``closure()`` if given."""
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for group in self.param_groups:
+            for param, grad, state in self._tensors_to_update(group):
+                self._update_(param, grad, state, group)
+        return loss
