@@ -47,7 +47,65 @@ def _single_device(make_model, args, env):
     return model, _optimizer(AdamW, SGD, model.named_parameters(), decayed_names(model), args)
 
 
-STRATEGIES: Dict[str, Callable] = {"single_device": _single_device}
+def _ddp(make_model, args, env):
+    from tiny_fsdp.core.ddp import DDP, DDPSGD, DDPAdamW
+
+    plain = make_model().to(env.device)
+    decay = decayed_names(plain)
+    model = DDP(plain, enable_async_communication=args.async_comm)
+    return model, _optimizer(DDPAdamW, DDPSGD, model.named_parameters(), decay, args)
+
+
+def _zero(stage: int):
+    def build(make_model, args, env):
+        from tiny_fsdp.core import zero
+
+        plain = make_model().to(env.device)
+        decay = decayed_names(plain)
+        model = getattr(zero, f"Zero{stage}")(plain, enable_async_communication=args.async_comm)
+        adamw, sgd = getattr(zero, f"Zero{stage}AdamW"), getattr(zero, f"Zero{stage}SGD")
+        return model, _optimizer(adamw, sgd, model.named_parameters(), decay, args)
+
+    return build
+
+
+def _meta_model(make_model) -> nn.Module:
+    """The model on ``meta``: sharded strategies initialise only what each rank keeps."""
+    with torch.device("meta"):
+        return make_model()
+
+
+def _zero3(make_model, args, env):
+    from tiny_fsdp.core.zero3 import Zero3, Zero3AdamW, Zero3SGD, zero3_partition_tensors
+
+    meta = _meta_model(make_model)
+    decay = decayed_names(meta)
+    ranks_map = [str(env.device.type)] * env.world_size
+    parts, _ = zero3_partition_tensors(
+        dict(meta.named_parameters()), ranks_map, evenness_priority=args.evenness_priority
+    )
+    model = Zero3(meta, parts, enable_async_communication=args.async_comm)
+    named = model.module.named_parameters()
+    return model, _optimizer(Zero3AdamW, Zero3SGD, named, decay, args, param_part_table=parts)
+
+
+def _fsdp(make_model, args, env):
+    from tiny_fsdp.core.fsdp import FSDP, FSDPSGD, FSDPAdamW
+
+    meta = _meta_model(make_model)
+    decay = decayed_names(meta)
+    model = FSDP(meta, enable_async_communication=args.async_comm, device=env.device)
+    return model, _optimizer(FSDPAdamW, FSDPSGD, model.named_parameters(), decay, args)
+
+
+STRATEGIES: Dict[str, Callable] = {
+    "single_device": _single_device,
+    "ddp": _ddp,
+    "zero1": _zero(1),
+    "zero2": _zero(2),
+    "zero3": _zero3,
+    "fsdp": _fsdp,
+}
 
 
 def build_strategy(

@@ -50,6 +50,7 @@ def build_arg_parser(strategy: str) -> argparse.ArgumentParser:
     p.add_argument("--warmup_steps", type=int, default=0, help="linear warmup, then cosine")
     p.add_argument("--min_lr_ratio", type=float, default=0.1, help="cosine floor / peak lr")
     p.add_argument("--grad_accum", type=int, default=1, help="micro-steps per optimizer step")
+    p.add_argument("--grad_clip", type=float, default=0.0, help="clip global grad norm (0: off)")
     p.add_argument("--grad_ckpt", action="store_true", help="recompute blocks in backward")
     p.add_argument("--async_comm", action="store_true", help="enable_async_communication")
     if strategy == "zero3":
@@ -134,7 +135,7 @@ def main(strategy: str, argv: Optional[List[str]] = None) -> List[float]:
 
     tokens_per_step = args.batch_size * args.seq_len * args.grad_accum * env.world_size
     losses: List[float] = []
-    bar = tqdm(range(args.steps), disable=not master, file=sys.stdout, dynamic_ncols=True)
+    bar = tqdm(range(args.steps), disable=not master, file=sys.stderr, dynamic_ncols=True)
     for step in bar:
         t0 = time.perf_counter()
         for group in optimizer.param_groups:
@@ -149,6 +150,8 @@ def main(strategy: str, argv: Optional[List[str]] = None) -> List[float]:
                 loss = lm_loss(model, x.to(env.device), y.to(env.device)) / args.grad_accum
                 loss.backward()
             step_loss += loss.item()
+        if args.grad_clip > 0:
+            optimizer.clip_grad_norm_(args.grad_clip)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         if env.device.type == "cuda":

@@ -50,7 +50,6 @@ from typing import Any, Callable, Optional, Sequence
 import pytest
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-TESTS_DIR = os.path.join(REPO_ROOT, "tests")
 
 # Budget for spawning a pool, importing torch in each worker and the rendezvous. It is separate
 # from the per-call timeout so that a short timeout in a test does not race a cold start.
@@ -116,6 +115,7 @@ def run_distributed(
     ``timeout`` seconds (pool start-up not included), and ``TypeError`` if ``fn`` or ``args``
     cannot be pickled (e.g. ``fn`` is a lambda or a nested function).
     """
+    __tracebackhide__ = True  # pytest: the failure is in the ranks, not in this frame
     if not isinstance(world_size, int) or world_size < 1:
         raise ValueError(f"world_size must be a positive int, got {world_size!r}")
     if backend not in BACKENDS:
@@ -157,7 +157,10 @@ def shutdown_pools() -> None:
         pools = list(_POOLS.values())
         _POOLS.clear()
         for pool in pools:
-            pool.request_stop()
+            if pool.ready:
+                pool.request_stop()
+            else:  # still starting up (e.g. replacing a failed pool): nothing to wait for
+                pool.kill()
         deadline = time.monotonic() + SHUTDOWN_GRACE
         for pool in pools:
             pool.join_or_kill(deadline)
@@ -170,6 +173,7 @@ atexit.register(shutdown_pools)
 
 
 def _ready_pool(key: tuple[int, str]) -> _WorkerPool:
+    __tracebackhide__ = True
     for attempt in range(1, START_ATTEMPTS + 1):
         pool = _POOLS.get(key)
         if pool is None:
@@ -199,7 +203,9 @@ def _skip_unless_enough_gpus(world_size: int) -> None:
 
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
     if not dist.is_nccl_available() or gpus < world_size:
-        pytest.skip(f"backend 'nccl' with world_size={world_size} needs {world_size} GPUs; {gpus} found")
+        pytest.skip(
+            f"backend 'nccl' with world_size={world_size} needs {world_size} GPUs; {gpus} found"
+        )
 
 
 def _describe(fn: Callable[..., Any]) -> str:
@@ -293,14 +299,20 @@ class _WorkerPool:
         self.ready = True
 
     def run(self, payload: bytes, timeout: float, what: str) -> list[Any]:
+        __tracebackhide__ = True
         ws = self.world_size
-        for conn in self.conns:
-            conn.send_bytes(payload)
+        errors: dict[int, str] = {}
+        for rank, conn in enumerate(self.conns):
+            try:
+                conn.send_bytes(payload)
+            except OSError:
+                errors[rank] = self._recv(rank)[1]  # the worker died while idle
+        if errors:
+            raise DistributedRunError(_failure_message(what, errors, []), errors)
         deadline = time.monotonic() + timeout
         results: list[Any] = [None] * ws
         returned: set[int] = set()  # fn returned; the rank now waits in the harness sync
         pending = set(range(ws))  # neither synced nor failed
-        errors: dict[int, str] = {}
         give_up_at = deadline
         while pending:
             remaining = give_up_at - time.monotonic()
@@ -324,7 +336,8 @@ class _WorkerPool:
             raise DistributedRunError(_failure_message(what, errors, sorted(pending)), errors)
         if pending:
             still_running = sorted(pending - returned)
-            stacks = self._dump_stacks(sorted(pending))
+            # The stacks of ranks that wait in the harness sync say nothing new.
+            stacks = self._dump_stacks(still_running or sorted(pending))
             raise DistributedTimeoutError(
                 _timeout_message(what, timeout, still_running, sorted(pending & returned), stacks),
                 still_running,
@@ -341,16 +354,14 @@ class _WorkerPool:
             except OSError:
                 pass
         deadline = time.monotonic() + 1.0
-        while time.monotonic() < deadline:
-            if all(os.path.getsize(self._dump(r)) > 0 for r in ranks if os.path.exists(self._dump(r))):
-                break
+        while time.monotonic() < deadline and not all(_non_empty(self._dump(r)) for r in ranks):
             time.sleep(0.02)
         time.sleep(0.05)  # let a dump that has started finish
         stacks = {}
         for rank in ranks:
             try:
                 with open(self._dump(rank)) as f:
-                    stacks[rank] = _drop_watchdog_thread(f.read())
+                    stacks[rank] = _clean_stack_dump(f.read())
             except OSError:
                 pass
         return stacks
@@ -403,13 +414,24 @@ def _timeout_message(
     lines.append("All worker processes were killed; the next call starts a fresh pool.")
     for rank in sorted(stacks):
         state = "still running fn" if rank in still_running else "fn returned, waiting"
-        lines.append(f"\n----- rank {rank} stack at timeout ({state}) -----\n{stacks[rank].rstrip()}")
+        lines.append(f"\n----- rank {rank} at timeout ({state}) -----\n{stacks[rank].rstrip()}")
     return "\n".join(lines)
 
 
-def _drop_watchdog_thread(dump: str) -> str:
-    blocks = dump.strip().split("\n\n")
-    return "\n\n".join(b for b in blocks if f"in {_watch_parent.__name__}" not in b)
+def _non_empty(path: str) -> bool:
+    return os.path.exists(path) and os.path.getsize(path) > 0
+
+
+def _clean_stack_dump(dump: str) -> str:
+    """Keep the threads that run test code, cut below the harness's ``_run_one`` frame."""
+    threads = []
+    for block in dump.strip().split("\n\n"):
+        if f"in {_watch_parent.__name__}" in block:
+            continue
+        lines = block.splitlines()
+        cut = [i for i, line in enumerate(lines) if line.endswith(f"in {_run_one.__name__}")]
+        threads.append("\n".join(lines[: cut[0]] if cut else lines))
+    return "\n\n".join(threads)
 
 
 # --------------------------------------------------------------------------------------------
@@ -449,11 +471,12 @@ def _worker_main(
         if not payload:  # shutdown request
             break
         _run_one(rank, world_size, payload, conn, sync_group)
-
-    import torch.distributed as dist
-
-    if dist.is_initialized():
-        dist.destroy_process_group()
+    # Exit without interpreter teardown (a large share of a second per torch process, times
+    # up to 10 workers on 2 cores) and without destroy_process_group, which could block on
+    # peers that are exiting too. Sockets and memory go back to the OS either way.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def _watch_parent(parent_pid: int) -> None:
@@ -491,23 +514,35 @@ def _init_process_group(rank: int, world_size: int, backend: str, port: int) -> 
 
 
 def _run_one(rank: int, world_size: int, payload: bytes, conn: Connection, sync_group: Any) -> None:
+    issued_before = _collectives_issued()
     try:
         try:
             fn, args = pickle.loads(payload)
             result = fn(rank, world_size, *args)
-            message = pickle.dumps(("returned", result))
+            try:
+                message = pickle.dumps(("returned", result))
+            except Exception as exc:
+                raise TypeError(f"the return value of fn on rank {rank} is not picklable") from exc
         finally:
             _reset_worker_state()
-    except BaseException:
-        _send(conn, ("error", traceback.format_exc()))
+    except BaseException as exc:
+        _send(conn, ("error", _format_exception(exc)))
         return
-    conn.send_bytes(message)
+    _send_raw(conn, message)
     try:
-        _check_ranks_in_step(world_size, sync_group)
-    except BaseException:
-        _send(conn, ("error", traceback.format_exc()))
+        _check_ranks_in_step(world_size, sync_group, _collectives_issued() - issued_before)
+    except BaseException as exc:
+        _send(conn, ("error", _format_exception(exc)))
         return
     _send(conn, ("synced", None))
+
+
+def _format_exception(exc: BaseException) -> str:
+    """Format like ``traceback.format_exc()`` without the harness's own leading frames."""
+    tb = exc.__traceback__
+    while tb is not None and tb.tb_frame.f_code.co_filename == __file__:
+        tb = tb.tb_next
+    return "".join(traceback.format_exception(type(exc), exc, tb))
 
 
 def _reset_worker_state() -> None:
@@ -521,21 +556,21 @@ def _reset_worker_state() -> None:
     torch.set_num_threads(1)
 
 
-def _check_ranks_in_step(world_size: int, sync_group: Any) -> None:
+def _check_ranks_in_step(world_size: int, sync_group: Any, issued: int) -> None:
     """Barrier on the harness group that also fails if ranks issued unequal collectives."""
     import torch
     import torch.distributed as dist
 
     if not dist.is_initialized():
         raise RuntimeError("fn destroyed the default process group; the pool cannot be reused")
-    count = torch.tensor([_collectives_issued()], dtype=torch.int64)
-    counts = [torch.zeros_like(count) for _ in range(world_size)]
-    dist.all_gather(counts, count, group=sync_group)
-    per_rank = [int(c) for c in counts]
+    mine = torch.tensor([issued], dtype=torch.int64)
+    gathered = [torch.zeros_like(mine) for _ in range(world_size)]
+    dist.all_gather(gathered, mine, group=sync_group)
+    per_rank = [int(count) for count in gathered]
     if len(set(per_rank)) > 1:
         raise RuntimeError(
-            "ranks are out of step: they issued different numbers of collectives on the default "
-            f"process group since the pool started (per rank: {per_rank})"
+            "ranks are out of step: they issued different numbers of collectives and "
+            f"point-to-point ops on the default process group (per rank: {per_rank})"
         )
 
 
@@ -545,12 +580,19 @@ def _collectives_issued() -> int:
     try:
         # Counts collectives and point-to-point ops issued on the default group, per process.
         return int(dist.distributed_c10d._get_default_group()._get_sequence_number_for_group())
-    except (AttributeError, RuntimeError):
-        return -1  # not available for this backend: the check degrades to a plain barrier
+    except Exception:  # private API gone, or no default group: the check becomes a barrier
+        return -1
 
 
 def _send(conn: Connection, message: tuple[str, Any]) -> None:
-    conn.send_bytes(pickle.dumps(message))
+    _send_raw(conn, pickle.dumps(message))
+
+
+def _send_raw(conn: Connection, data: bytes) -> None:
+    try:
+        conn.send_bytes(data)
+    except OSError:  # the parent is gone: nobody is left to report to
+        os._exit(1)
 
 
 def _install_assert_rewriting() -> None:

@@ -52,7 +52,11 @@ def _compare(ref: nn.Module, make_input, dtype: torch.dtype) -> None:
 @pytest.mark.parametrize("bias", [True, False])
 def test_linear_matches_torch(dtype, shape, bias):
     torch.manual_seed(0)
-    _compare(nn.Linear(7, 5, bias=bias), lambda: (torch.randn(shape, dtype=dtype) * 2).requires_grad_(), dtype)
+    _compare(
+        nn.Linear(7, 5, bias=bias),
+        lambda: (torch.randn(shape, dtype=dtype) * 2).requires_grad_(),
+        dtype,
+    )
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

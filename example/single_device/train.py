@@ -1,6 +1,6 @@
 """Single-device GPT-2 training: the reference every strategy must match.
 
-    python example/single_device/train.py --model gpt2 --lr 1e-4 --steps 100
+python example/single_device/train.py --model gpt2 --lr 1e-4 --steps 100
 """
 
 import os

@@ -1,7 +1,9 @@
 """Layer wrappers whose math is written once and whose parameters a strategy manages."""
 
 from tiny_fsdp.core.module.base import CallbackFunction, CallbackModule
+from tiny_fsdp.core.module.conv import Conv1d, Conv2d
 from tiny_fsdp.core.module.embedding import Embedding
+from tiny_fsdp.core.module.fallback import FallbackModule, make_fallback_wrapper
 from tiny_fsdp.core.module.handler import LOCAL_HANDLER, ParamHandler
 from tiny_fsdp.core.module.layernorm import LayerNorm
 from tiny_fsdp.core.module.linear import Linear
@@ -11,17 +13,23 @@ from tiny_fsdp.core.module.registry import (
     convert_module,
     register_wrapper,
 )
+from tiny_fsdp.core.module.rmsnorm import RMSNorm
 
 __all__ = [
     "CallbackFunction",
     "CallbackModule",
+    "Conv1d",
+    "Conv2d",
     "Embedding",
+    "FallbackModule",
     "LayerNorm",
     "Linear",
     "LOCAL_HANDLER",
     "ParamHandler",
+    "RMSNorm",
     "UnsupportedModuleError",
     "WRAPPERS",
     "convert_module",
+    "make_fallback_wrapper",
     "register_wrapper",
 ]

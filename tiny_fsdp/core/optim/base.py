@@ -114,9 +114,51 @@ class BaseOptimizer(torch.optim.Optimizer):
     ``param_names`` (list of str, same length as ``params``).
     """
 
+    #: True when each rank's ``_tensors_to_update`` yields only its own part of the model
+    #: (FSDP shards, ZeRO owned tensors), so a global gradient norm needs a sum over ranks.
+    grads_are_sharded: bool = False
+
     def __init__(self, params: ParamsT, defaults: dict[str, Any]) -> None:
         self._check_hyperparams(defaults)
+        self._grad_scale = 1.0  # set by clip_grad_norm_, applied and reset by the next step
         super().__init__(normalize_param_groups(params), defaults)
+
+    @torch.no_grad()
+    def clip_grad_norm_(self, max_norm: float) -> Tensor:
+        """Scale the next step's gradients so their global L2 norm is at most ``max_norm``.
+
+        Same arithmetic as ``torch.nn.utils.clip_grad_norm_`` on the single-device model:
+        ``coef = min(1, max_norm / (norm + 1e-6))``. The norm is taken over exactly the tensors
+        the next ``step`` updates, so each parameter (a tied one too) counts once, and summed
+        over ranks when they are sharded ([Note: clipping over shards]). Call it on every rank
+        after backward and before ``step``; returns the total norm (a 0-d float32 tensor).
+
+        [Note: clipping over shards]
+        Every strategy's optimizer yields, across all ranks together, each trainable element
+        exactly once (sharded strategies) or every element on every rank (DDP, one device). So
+        sum of squares: local, then an all-reduce when ``grads_are_sharded``. Padding rows are
+        zero and do not change the sum.
+        """
+        squares = [
+            grad.detach().float().square().sum()
+            for group in self.param_groups
+            for _, grad, _ in self._tensors_to_update(group)
+        ]
+        device = squares[0].device if squares else self._default_device()
+        total = torch.stack(squares).sum() if squares else torch.zeros((), device=device)
+        if self.grads_are_sharded:
+            from tiny_fsdp.core import comm  # the optimizers import nothing distributed otherwise
+
+            comm.all_reduce(total)
+        norm = total.sqrt()
+        self._grad_scale = min(1.0, max_norm / (norm.item() + 1e-6))
+        return norm
+
+    def _default_device(self) -> torch.device:
+        for group in self.param_groups:
+            for p in group["params"]:
+                return p.device
+        return torch.device("cpu")
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         """Normalise names, fill defaults, validate hyper-parameters, then register the group."""
@@ -153,7 +195,8 @@ class BaseOptimizer(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        scale, self._grad_scale = self._grad_scale, 1.0
         for group in self.param_groups:
             for param, grad, state in self._tensors_to_update(group):
-                self._update_(param, grad, state, group)
+                self._update_(param, grad * scale if scale != 1.0 else grad, state, group)
         return loss

@@ -1,0 +1,199 @@
+"""tiny_fsdp FSDP vs PyTorch FSDP2 (``fully_shard``): step time and peak memory, same run.
+
+    torchrun --standalone --nproc_per_node=2 benchmarks/bench_fsdp.py [--unit layer|tensor|blocks]
+
+Both strategies train the same GPT-2 (same initial weights, same per-rank batches) with AdamW,
+one thread per rank. Steps alternate (ours, FSDP2, ours, ...) so that both see the same machine
+state; after ``--warmup`` steps each, ``--steps`` are measured each. Reported per rank:
+
+- step time (forward + backward + optimizer step + zero_grad): median and min..max;
+- RSS high-water mark during the step (``VmHWM``, reset before each step through
+  ``/proc/self/clear_refs``) and how far it rose above the RSS at the step's start;
+- bytes of tensors held between steps (parameters + gradients + optimizer state, local shards),
+  and for ours also the peak bytes of gathered full parameters (the handlers' counter).
+
+glibc is told to serve large blocks with mmap and to trim freed memory (``mallopt``), so that
+RSS follows the live tensors instead of the allocator's high-water mark.
+"""
+
+import argparse
+import copy
+import ctypes
+import os
+import statistics
+import sys
+import time
+from typing import Callable, Dict, List, Tuple
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # repo root
+
+from example.model import GPT2Model, GPTConfigs  # noqa: E402
+from tiny_fsdp.core.fsdp import FSDP, FSDPAdamW  # noqa: E402
+
+
+def tune_malloc() -> None:
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+    except OSError:
+        return
+    m_trim_threshold, m_mmap_threshold = -1, -3
+    libc.mallopt(m_mmap_threshold, 64 * 1024)  # fixed: disables glibc's growing threshold
+    libc.mallopt(m_trim_threshold, 128 * 1024)
+
+
+def rss_kib(field: str) -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1])
+    return 0
+
+
+def reset_rss_peak() -> bool:
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        return True
+    except OSError:
+        return False
+
+
+def held_bytes(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> int:
+    """Local bytes of parameters, gradients and optimizer state (tied tensors counted once)."""
+    seen, total = set(), 0
+    tensors = []
+    for p in model.parameters():
+        tensors += [p, p.grad]
+    for state in optimizer.state.values():
+        tensors += [v for v in state.values() if isinstance(v, torch.Tensor)]
+    for t in tensors:
+        if t is None or id(t) in seen:  # ids of the live originals, not of to_local() temps
+            continue
+        seen.add(id(t))
+        local = t.to_local() if hasattr(t, "to_local") else t  # FSDP2 holds DTensors
+        total += local.numel() * local.element_size()
+    return total
+
+
+def build(args: argparse.Namespace) -> Dict[str, Tuple[torch.nn.Module, torch.optim.Optimizer]]:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    torch.manual_seed(0)
+    base = GPT2Model(GPTConfigs.get(args.model))
+    theirs = copy.deepcopy(base)
+    ours = FSDP(
+        base,
+        enable_async_communication=args.async_comm,
+        prefetch_limit=args.prefetch_limit,
+        unit=list(base.transformer.h) if args.unit == "blocks" else args.unit,
+    )
+    ours_opt = FSDPAdamW(ours.named_parameters(), lr=1e-4)
+    # FSDP2 as its docs recommend: one unit per transformer block, then the root.
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    for block in theirs.transformer.h:
+        fully_shard(block, mesh=mesh)
+    fully_shard(theirs, mesh=mesh)
+    theirs_opt = torch.optim.AdamW(theirs.parameters(), lr=1e-4)
+    return {"ours": (ours, ours_opt), "fsdp2": (theirs, theirs_opt)}
+
+
+def make_step(
+    model: torch.nn.Module, optimizer: torch.optim.Optimizer
+) -> Callable[[torch.Tensor, torch.Tensor], float]:
+    def step(x: torch.Tensor, y: torch.Tensor) -> float:
+        logits = model(x)
+        loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1))
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        return loss.item()
+
+    return step
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--model", default="gpt2_mini", choices=GPTConfigs.names())
+    parser.add_argument("--batch", type=int, default=4, help="sequences per rank")
+    parser.add_argument("--seq", type=int, default=256)
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--unit", default="layer", choices=["layer", "tensor", "blocks"])
+    parser.add_argument("--no-async", dest="async_comm", action="store_false")
+    parser.add_argument("--prefetch-limit", type=int, default=1)
+    args = parser.parse_args()
+
+    tune_malloc()
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    runs = build(args)
+    steps = {name: make_step(*pair) for name, pair in runs.items()}
+    times: Dict[str, List[float]] = {name: [] for name in runs}
+    hwm: Dict[str, List[int]] = {name: [] for name in runs}
+    rise: Dict[str, List[int]] = {name: [] for name in runs}
+    losses: Dict[str, List[float]] = {name: [] for name in runs}
+    vocab = runs["ours"][0].module.config.vocab_size
+    for i in range(args.warmup + args.steps):
+        gen = torch.Generator().manual_seed(1000 * i + rank)
+        tokens = torch.randint(vocab, (args.batch, args.seq + 1), generator=gen)
+        x, y = tokens[:, :-1], tokens[:, 1:]
+        for name, step in steps.items():
+            dist.barrier()
+            reset_rss_peak()
+            start_rss = rss_kib("VmRSS")
+            t0 = time.perf_counter()
+            losses[name].append(step(x, y))
+            elapsed = time.perf_counter() - t0
+            if i >= args.warmup:
+                times[name].append(elapsed)
+                hwm[name].append(rss_kib("VmHWM"))
+                rise[name].append(rss_kib("VmHWM") - start_rss)
+    ours_model = runs["ours"][0]
+    report = {
+        name: dict(
+            median_s=statistics.median(times[name]),
+            min_s=min(times[name]),
+            max_s=max(times[name]),
+            hwm_mib=max(hwm[name]) / 1024,
+            rise_mib=max(rise[name]) / 1024,
+            held_mib=held_bytes(*runs[name]) / 2**20,
+        )
+        for name in runs
+    }
+    report["ours"]["peak_gathered_mib"] = ours_model.memory_stats()["peak_gathered_bytes"] / 2**20
+    max_loss_diff = max(abs(a - b) for a, b in zip(losses["ours"], losses["fsdp2"]))
+    gathered = [None] * world
+    dist.all_gather_object(gathered, report)
+    if rank == 0:
+        print(
+            f"{args.model}, {world} ranks (gloo, 1 thread each), batch {args.batch} x {args.seq} "
+            f"per rank, unit={args.unit}, async={args.async_comm}, "
+            f"{args.warmup} warm-up + {args.steps} measured steps each"
+        )
+        for r, rep in enumerate(gathered):
+            for name in ("ours", "fsdp2"):
+                m = rep[name]
+                extra = (
+                    f"  peak gathered {m['peak_gathered_mib']:.1f} MiB" if name == "ours" else ""
+                )
+                print(
+                    f"rank {r} {name:5s}: step {m['median_s'] * 1e3:7.1f} ms median "
+                    f"({m['min_s'] * 1e3:.1f}..{m['max_s'] * 1e3:.1f}), RSS peak "
+                    f"{m['hwm_mib']:.0f} MiB (+{m['rise_mib']:.0f} in step), tensors held "
+                    f"{m['held_mib']:.1f} MiB{extra}"
+                )
+            ratio = rep["ours"]["median_s"] / rep["fsdp2"]["median_s"]
+            rise_ratio = rep["ours"]["rise_mib"] / max(rep["fsdp2"]["rise_mib"], 1e-9)
+            print(f"rank {r} ratio ours/fsdp2: time {ratio:.3f}, in-step RSS rise {rise_ratio:.3f}")
+        print(f"max |loss ours - loss fsdp2| over all steps: {max_loss_diff:.2e}")
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

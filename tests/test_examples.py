@@ -1,0 +1,93 @@
+"""End to end: every example script, launched as users launch it, trains to the numbers of
+single-device training with the same global batch.
+
+These start real processes (torchrun), so they are few and tiny: gpt2_bytes, 3 steps.
+"""
+
+import os
+import re
+import socket
+import subprocess
+import sys
+from typing import List
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+COMMON = ["--model", "gpt2_bytes", "--steps", "3", "--seq_len", "32", "--lr", "1e-3",
+          "--log_every", "1", "--seed", "3", "--device", "cpu"]  # fmt: skip
+# The logged loss is printed with 4 decimals; strategies differ from one device only by float32
+# summation order (~1e-6), so equal-to-the-printed-digit up to one unit of rounding.
+LOSS_ATOL = 1.5e-4
+
+
+def _losses(output: str) -> List[float]:
+    return [float(m) for m in re.findall(r"step\s+\d+ \| loss ([0-9.]+)", output)]
+
+
+def _run(cmd: List[str], env_extra=None, timeout: float = 180) -> str:
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=ROOT, **(env_extra or {}))
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+    assert (
+        proc.returncode == 0
+    ), f"{' '.join(cmd)} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+    return proc.stdout
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _torchrun(nproc: int) -> List[str]:
+    return [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc_per_node={nproc}",
+    ]
+
+
+@pytest.fixture(scope="module")
+def single_device_losses() -> List[float]:
+    """One process with the global batch of 2 ranks x 2 sequences."""
+    out = _run([sys.executable, "example/single_device/train.py", *COMMON, "--batch_size", "4"])
+    losses = _losses(out)
+    assert len(losses) == 3 and losses[-1] < losses[0]
+    return losses
+
+
+@pytest.mark.parametrize("strategy", ["ddp", "zero1", "zero2", "zero3", "fsdp"])
+def test_example_matches_single_device(strategy, single_device_losses):
+    out = _run([*_torchrun(2), f"example/{strategy}/train.py", *COMMON, "--batch_size", "2"])
+    losses = _losses(out)
+    assert len(losses) == 3, out
+    for ours, ref in zip(losses, single_device_losses):
+        assert abs(ours - ref) <= LOSS_ATOL, (strategy, losses, single_device_losses)
+
+
+def test_ddp_across_two_torchrun_nodes(single_device_losses):
+    """Two torchrun "nodes" of one process each: RANK differs, LOCAL_RANK is 0 on both."""
+    port = str(_free_port())
+    procs = []
+    for node in range(2):
+        launcher = [sys.executable, "-m", "torch.distributed.run", "--nnodes=2",
+                    "--nproc_per_node=1", f"--node_rank={node}", "--master_addr=127.0.0.1",
+                    f"--master_port={port}"]  # fmt: skip
+        cmd = [*launcher, "example/ddp/train.py", *COMMON, "--batch_size", "2"]
+        env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=ROOT)
+        procs.append(
+            subprocess.Popen(
+                cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+            )
+        )
+    outs = [p.communicate(timeout=180) for p in procs]
+    for p, (out, err) in zip(procs, outs):
+        assert p.returncode == 0, err[-3000:]
+    losses = _losses(outs[0][0])  # node 0 hosts global rank 0, which prints
+    assert _losses(outs[1][0]) == []  # global rank 1 prints nothing, though its LOCAL_RANK is 0
+    for ours, ref in zip(losses, single_device_losses):
+        assert abs(ours - ref) <= LOSS_ATOL
+    assert len(losses) == 3

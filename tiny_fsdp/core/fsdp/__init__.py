@@ -1,0 +1,20 @@
+"""Fully sharded data parallelism: ``FSDP`` wrapper and the optimizers over its shards."""
+
+from tiny_fsdp.core.fsdp.fsdp import FSDP, IncompatibleKeys
+from tiny_fsdp.core.fsdp.handler import FSDPHandler
+from tiny_fsdp.core.fsdp.optim import FSDPSGD, FSDPAdamW
+from tiny_fsdp.core.fsdp.sharded_param import ShardedParam, shard_info
+from tiny_fsdp.core.fsdp.state import FSDPState
+from tiny_fsdp.core.fsdp.unit import GatherUnit
+
+__all__ = [
+    "FSDP",
+    "FSDPAdamW",
+    "FSDPHandler",
+    "FSDPSGD",
+    "FSDPState",
+    "GatherUnit",
+    "IncompatibleKeys",
+    "ShardedParam",
+    "shard_info",
+]

@@ -1,0 +1,177 @@
+"""A gather unit: the parameters of one or more layers, all-gathered together and freed together.
+
+[Note: gather units]
+The unit of communication decides how many collectives a step issues and how much is gathered
+at once. ``FSDP(unit=...)`` offers three:
+
+- ``"layer"`` (default): each wrapped layer is a unit; its flat shards are concatenated into one
+  all-gather per fetch.
+- ``"tensor"``: like ``"layer"``, but one all-gather per tensor (no concatenation / copy-out).
+- a list of modules (e.g. the transformer blocks): all layers inside one listed module form a
+  unit; layers outside every listed module form one more unit, the "root" (FSDP2's layout).
+
+A unit is gathered when the first of its layers fetches and stays gathered until every one of
+its layers has released it in that pass; a parameter that appears in several of its layers (a
+tied weight) is gathered once. Gradients are always reduce-scattered per layer (``handler.py``),
+because a layer's backward must hand its shard gradients to autograd before it returns.
+
+A single-tensor collective yields the full tensor as a view of the gathered buffer; a
+multi-tensor one is laid out rank-major (rank r's shards of every tensor, then rank r+1's), so
+each tensor is copied out to its own storage and the buffer is freed at once.
+"""
+
+from typing import Dict, Iterable, List, Optional, Sequence, Tuple, Union
+
+import torch
+from torch import nn
+
+from tiny_fsdp.core import comm
+from tiny_fsdp.core.fsdp.sharded_param import ShardedParam, shard_info
+from tiny_fsdp.core.fsdp.state import FSDPState
+from tiny_fsdp.core.module.base import CallbackModule
+from tiny_fsdp.core.module.handler import Params
+
+# One collective per entry: (work or None, output (world * numel,), input kept alive until done).
+Gathered = List[Tuple[Optional[object], torch.Tensor, torch.Tensor]]
+
+
+class GatherUnit:
+    """Gathers, holds and frees the full parameters of ``layers`` ([Note: gather units])."""
+
+    def __init__(
+        self, name: str, layers: Sequence[nn.Module], state: FSDPState, per_tensor: bool = False
+    ) -> None:
+        self.name = name
+        self.state = state
+        self.layers = list(layers)
+        unique: Dict[int, nn.Parameter] = {}
+        for layer in self.layers:
+            for param_name in layer.param_names:
+                param = getattr(layer, param_name)
+                if param is not None:
+                    if shard_info(param) is None:
+                        raise ValueError(f"{name}: {param_name} of {layer} is not an FSDP shard")
+                    unique.setdefault(id(param), param)
+        # A collective has one dtype: tensors of one dtype travel together (or each alone).
+        groups: Dict[object, List[nn.Parameter]] = {}
+        for param in unique.values():
+            groups.setdefault(len(groups) if per_tensor else param.dtype, []).append(param)
+        self.groups: List[List[nn.Parameter]] = list(groups.values())
+        self._full: Optional[Dict[int, torch.Tensor]] = None  # id(shard param) -> full tensor
+        self._held_bytes = 0
+        self._released: set = set()  # ids of the layers done with the held parameters
+
+    def gathered_numel(self) -> int:
+        """Elements of the padded all-gather outputs of one gather of this unit."""
+        world = self.state.world_size
+        return sum(world * shard_info(p).shard_numel for group in self.groups for p in group)
+
+    @property
+    def is_held(self) -> bool:
+        return self._full is not None
+
+    # ---------------------------------------------------------------- all-gather
+    def issue_gather(self, async_op: bool) -> Gathered:
+        """Start (or run) one all-gather per group; counted in the state's gathered bytes."""
+        gathered: Gathered = []
+        for group in self.groups:
+            shards = [param.detach().reshape(-1) for param in group]
+            flat = shards[0] if len(shards) == 1 else torch.cat(shards)  # (group_numel,)
+            out = flat.new_empty(self.state.world_size * flat.numel())  # (world * group_numel,)
+            work = comm.all_gather(out, flat, async_op=async_op)
+            self.state.track_gathered(_nbytes(out))
+            gathered.append((work, out, flat))
+        return gathered
+
+    def discard(self, gathered: Gathered) -> None:
+        """Forget a prefetch that will not be used, once its collective has finished."""
+        for work, out, _ in gathered:
+            if work is not None:
+                work.wait()
+            self.state.track_gathered(-_nbytes(out))
+
+    def _unpack(self, gathered: Gathered) -> None:
+        world = self.state.world_size
+        full: Dict[int, torch.Tensor] = {}
+        held = 0
+        for group, (work, out, _) in zip(self.groups, gathered):
+            if work is not None:
+                work.wait()
+            if len(group) == 1:
+                full[id(group[0])] = shard_info(group[0]).full_view(out)  # view: no copy
+                held += _nbytes(out)
+                continue
+            infos: List[ShardedParam] = [shard_info(p) for p in group]
+            grid = out.view(world, sum(i.shard_numel for i in infos))  # row r: rank r's shards
+            offset = 0
+            for param, info in zip(group, infos):
+                tensor = out.new_empty(info.full_shape)
+                info.copy_out(grid[:, offset : offset + info.shard_numel], tensor)
+                self.state.track_gathered(_nbytes(tensor))
+                held += _nbytes(tensor)
+                full[id(param)] = tensor
+                offset += info.shard_numel
+            self.state.track_gathered(-_nbytes(out))  # the rank-major buffer dies here
+        self._full, self._held_bytes = full, held
+
+    # ---------------------------------------------------------------- fetch / release
+    def acquire(self, layer: nn.Module, phase: str) -> Params:
+        """The full parameters of ``layer`` (gathering the unit unless it is held)."""
+        if self._full is None:
+            gathered = self.state.take_prefetched(self)
+            self._unpack(gathered if gathered is not None else self.issue_gather(async_op=False))
+            self._released.clear()
+        self.state.after_fetch(self, phase)
+        return tuple(
+            None if p is None else self._full[id(p)]
+            for p in (getattr(layer, n) for n in layer.param_names)
+        )
+
+    def release(self, layer: nn.Module, phase: str) -> None:
+        """``layer`` is done; free the unit once all its layers are (unless kept, see state)."""
+        if phase == "forward" and self.state.keeps_after_forward(self):
+            return
+        self._released.add(id(layer))
+        if len(self._released) == len(self.layers):
+            self.drop()
+
+    def drop(self) -> None:
+        if self._full is not None:
+            self._full = None
+            self.state.track_gathered(-self._held_bytes)
+            self._held_bytes = 0
+        self._released.clear()
+
+
+def unit_layers(
+    root: nn.Module, unit: Union[str, Iterable[nn.Module]]
+) -> List[Tuple[str, List[nn.Module]]]:
+    """``(name, layers)`` of every gather unit, in module order ([Note: gather units])."""
+    names = {id(m): path or "<root>" for path, m in root.named_modules()}
+    layers = [m for m in root.modules() if isinstance(m, CallbackModule)]
+    if isinstance(unit, str):
+        if unit not in ("layer", "tensor"):
+            raise ValueError(f"unit must be 'layer', 'tensor' or a list of modules, got {unit!r}")
+        return [(names[id(layer)], [layer]) for layer in layers]
+    owners: Dict[int, int] = {}  # id(layer) -> index of the listed module that holds it
+    modules = list(unit)
+    for index, module in enumerate(modules):
+        if not isinstance(module, nn.Module) or id(module) not in names:
+            raise ValueError(f"unit entry {index} is not a submodule of the wrapped model")
+        for layer in module.modules():
+            if isinstance(layer, CallbackModule):
+                if id(layer) in owners:
+                    raise ValueError(
+                        f"layer '{names[id(layer)]}' is inside two unit modules "
+                        f"('{names[id(modules[owners[id(layer)]])]}' and '{names[id(module)]}')"
+                    )
+                owners[id(layer)] = index
+    grouped: List[List[nn.Module]] = [[] for _ in range(len(modules) + 1)]  # last: the root
+    for layer in layers:
+        grouped[owners.get(id(layer), len(modules))].append(layer)
+    named = [(names[id(m)], g) for m, g in zip(modules, grouped)] + [("<root>", grouped[-1])]
+    return [(name, group) for name, group in named if group]
+
+
+def _nbytes(tensor: torch.Tensor) -> int:
+    return tensor.numel() * tensor.element_size()

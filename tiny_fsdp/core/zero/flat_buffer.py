@@ -1,0 +1,181 @@
+"""Flat, padded, bucketed storage for ZeRO-1/2: per-parameter views and per-rank shard views.
+
+[Note: ZeRO flat layout]
+The trainable parameters (a tied parameter once) are laid out back to back in ONE flat buffer,
+in backward order (reversed model order: the last layer's gradient is ready first). The buffer is
+cut into *buckets* at parameter boundaries (a bucket holds whole parameters, at most
+``bucket_cap`` elements unless one parameter alone is larger), and each bucket is padded with
+zeros to a multiple of the world size ``N``::
+
+    flat buffer  = [ bucket 0 | bucket 1 | ... ]
+    bucket b     = [ p_i | p_j | ... | pad ]          numel(b) = N * chunk(b)
+                   [ chunk 0 | chunk 1 | ... | chunk N-1 ]    rank r owns chunk r
+
+Rank r's *shard* is the concatenation of its chunk of every bucket, ``shard_numel = sum_b
+chunk(b) = numel / N`` elements; a shard-sized tensor (ZeRO-2's gradient shard, the fp32
+master) keeps bucket b's chunk at ``[shard_start(b), shard_start(b) + chunk(b))``. Why per-bucket
+chunks rather than one contiguous 1/N of the whole buffer: a bucket is then exactly the input of
+one reduce-scatter (and its chunk the output), so ZeRO-2 can reduce-scatter bucket by bucket
+while backward still runs, and the all-gather of the updated parameters is one collective per
+bucket with the rank's chunk as input, in place.
+
+A parameter lies in one bucket and a chunk is contiguous, so a parameter meets a rank's chunk in
+at most one contiguous *piece*; a piece is what the optimizer updates (elementwise rule, so the
+per-piece update equals the whole-tensor update restricted to the piece).
+"""
+
+from dataclasses import dataclass
+from typing import List, Sequence, Tuple
+
+import torch
+
+
+@dataclass(frozen=True)
+class Slot:
+    """Where parameter ``index`` lives: flat elements ``[start, start + numel)``."""
+
+    index: int
+    bucket: int
+    start: int
+    numel: int
+    shape: torch.Size
+
+
+@dataclass(frozen=True)
+class Bucket:
+    """Flat elements ``[start, start + numel)``; ``numel = N * chunk``; holds ``slots``."""
+
+    start: int
+    numel: int
+    chunk: int
+    shard_start: int
+    slots: Tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class Piece:
+    """The part of parameter ``index`` that one rank owns, as three aligned ranges of ``numel``
+    elements: ``[start, ...)`` of the flat buffer, ``[param_start, ...)`` of the flattened
+    parameter and ``[shard_start, ...)`` of that rank's shard."""
+
+    index: int
+    bucket: int
+    start: int
+    param_start: int
+    shard_start: int
+    numel: int
+
+
+class FlatLayout:
+    """The layout of [Note: ZeRO flat layout] for parameters of the given ``shapes`` (in order).
+
+    Attributes:
+        slots: one ``Slot`` per parameter, in the given order.
+        buckets: the buckets in flat order (which is also the reduce-scatter launch order).
+        numel: padded size of the flat buffer, a multiple of ``world_size``.
+        shard_numel: ``numel // world_size``, the size of every rank's shard.
+    """
+
+    def __init__(
+        self, shapes: Sequence[torch.Size], world_size: int, bucket_cap_numel: int
+    ) -> None:
+        if world_size < 1 or bucket_cap_numel < 1:
+            raise ValueError(f"bad world_size {world_size} or bucket cap {bucket_cap_numel}")
+        self.world_size = world_size
+        groups: List[List[int]] = []
+        filled = 0
+        for i, shape in enumerate(shapes):
+            n = torch.Size(shape).numel()
+            if not groups or (filled > 0 and filled + n > bucket_cap_numel):
+                groups.append([])
+                filled = 0
+            groups[-1].append(i)
+            filled += n
+        self.slots: List[Slot] = []
+        self.buckets: List[Bucket] = []
+        start = shard_start = 0
+        for b, members in enumerate(groups):
+            offset = start
+            for i in members:
+                shape = torch.Size(shapes[i])
+                self.slots.append(Slot(i, b, offset, shape.numel(), shape))
+                offset += shape.numel()
+            chunk = -(-(offset - start) // world_size)  # ceil: pad the bucket to N * chunk
+            self.buckets.append(
+                Bucket(start, chunk * world_size, chunk, shard_start, tuple(members))
+            )
+            start += chunk * world_size
+            shard_start += chunk
+        self.numel = start
+        self.shard_numel = shard_start
+
+    def chunk_range(self, bucket: int, rank: int) -> Tuple[int, int]:
+        """Flat ``[start, stop)`` of ``rank``'s chunk of ``bucket``."""
+        b = self.buckets[bucket]
+        return b.start + rank * b.chunk, b.start + (rank + 1) * b.chunk
+
+    def pieces(self, rank: int) -> List[Piece]:
+        """``rank``'s pieces, one per parameter that meets its chunks, in flat order."""
+        out = []
+        for slot in self.slots:
+            bucket = self.buckets[slot.bucket]
+            lo, hi = self.chunk_range(slot.bucket, rank)
+            start, stop = max(lo, slot.start), min(hi, slot.start + slot.numel)
+            if start < stop:
+                shard_start = bucket.shard_start + (start - lo)
+                out.append(
+                    Piece(
+                        slot.index,
+                        slot.bucket,
+                        start,
+                        start - slot.start,
+                        shard_start,
+                        stop - start,
+                    )
+                )
+        return out
+
+    def padding(self) -> int:
+        """Number of padding elements (``numel`` minus the parameters' elements)."""
+        return self.numel - sum(s.numel for s in self.slots)
+
+
+class FlatBuffer:
+    """One flat tensor ``data`` (``layout.numel``,) with the views of a ``FlatLayout``.
+
+    Created zero-filled, so the padding is zero and stays zero under sums and copies.
+    """
+
+    def __init__(self, layout: FlatLayout, dtype: torch.dtype, device: torch.device) -> None:
+        self.layout = layout
+        self.data = torch.zeros(layout.numel, dtype=dtype, device=device)
+
+    def view(self, index: int) -> torch.Tensor:
+        """Parameter ``index``'s slot, shaped like the parameter."""
+        s = self.layout.slots[index]
+        return self.data[s.start : s.start + s.numel].view(s.shape)
+
+    def bucket(self, bucket: int) -> torch.Tensor:
+        """Bucket ``bucket``, flat: (N * chunk,)."""
+        b = self.layout.buckets[bucket]
+        return self.data[b.start : b.start + b.numel]
+
+    def chunk(self, bucket: int, rank: int) -> torch.Tensor:
+        """``rank``'s chunk of ``bucket``: (chunk,)."""
+        start, stop = self.layout.chunk_range(bucket, rank)
+        return self.data[start:stop]
+
+    def piece(self, piece: Piece) -> torch.Tensor:
+        """The flat elements of ``piece``: (piece.numel,)."""
+        return self.data[piece.start : piece.start + piece.numel]
+
+
+def shard_chunk(shard: torch.Tensor, layout: FlatLayout, bucket: int) -> torch.Tensor:
+    """Bucket ``bucket``'s chunk inside a shard-sized tensor (``layout.shard_numel``,)."""
+    b = layout.buckets[bucket]
+    return shard[b.shard_start : b.shard_start + b.chunk]
+
+
+def shard_piece(shard: torch.Tensor, piece: Piece) -> torch.Tensor:
+    """``piece``'s elements inside a shard-sized tensor: (piece.numel,)."""
+    return shard[piece.shard_start : piece.shard_start + piece.numel]

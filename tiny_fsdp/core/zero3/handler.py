@@ -1,0 +1,229 @@
+"""ZeRO-3 inter-tensor layer handler: broadcast from the owner, free, reduce to the owner.
+
+[Note: zero3 tensor life cycle]
+Every parameter has one owner rank (the partition table). The owner's ``param.data`` is the full
+tensor; on every other rank it is an empty ``(0,)`` tensor of the same dtype and device, and the
+full shape is kept in ``param._tiny_fsdp_zero3`` (a ``TensorInfo``). For each layer call:
+
+- ``fetch``: the owner broadcasts its tensor; the other ranks receive it into fresh buffers
+  (the owner computes with its own tensor, no copy).
+- ``release``: the buffers are dropped. Nothing else holds them (the layer callbacks save
+  inputs, never weights), so they are freed; ``Zero3Runtime.stats`` counts them.
+- ``reduce_grads``: each rank divides its full gradient by N and SUM-reduces it to the owner,
+  which returns it to autograd (accumulated into ``param.grad``); the others return None. A
+  tied parameter is fetched and reduced by both of its layers; autograd sums the two parts.
+
+Under ``no_sync()`` every rank (owner included, so the owner's part is divided by N exactly
+once) adds its gradient to a full-size buffer kept here per parameter, and returns None; the next
+synchronised backward reduces buffer + gradient. Memory cost: one full gradient per parameter
+touched in ``no_sync``, on every rank, i.e. the whole model's gradients, as in DDP.
+
+[Note: zero3 prefetch]
+A *pass* starts at ``Zero3.forward`` and covers every fetch until the next one (forward, then
+backward, including the forward recomputation of gradient checkpointing). The first pass of
+each kind (grad mode, checkpointing) records its sequence of layer fetches; with async
+communication on, later passes issue the broadcasts of the next ``prefetch_depth`` layers of
+the recorded sequence (``async_op=True``) before the current layer computes, so at most
+``prefetch_depth + 1`` layers are fetched at once. Every rank runs the same program, so every
+rank takes the same decisions and issues the same collectives in the same order. A pass that
+leaves the script (another layer than recorded) waits for and discards what is in flight,
+stops prefetching, and its own sequence replaces the recorded one. Results are bitwise equal
+with and without prefetching: the same tensors are broadcast and the same math runs.
+"""
+
+import weakref
+from dataclasses import dataclass, field
+from typing import Dict, List, Optional
+
+import torch
+from torch import nn
+
+from tiny_fsdp.core import comm
+from tiny_fsdp.core.module import ParamHandler
+from tiny_fsdp.core.module.handler import Params
+
+ATTR = "_tiny_fsdp_zero3"  # name of the TensorInfo attribute put on each managed Parameter
+
+
+@dataclass(frozen=True)
+class TensorInfo:
+    """What every rank knows about a parameter: its name, owner and full shape."""
+
+    name: str
+    owner: int
+    shape: torch.Size
+
+
+@dataclass
+class FetchStats:
+    """Bytes of fetched (non-owned) parameter buffers alive now and at most, on this rank."""
+
+    live_bytes: int = 0
+    peak_bytes: int = 0
+    _refs: List[weakref.ref] = field(default_factory=list)
+
+    def add(self, buffer: torch.Tensor) -> None:
+        self.live_bytes += buffer.numel() * buffer.element_size()
+        self.peak_bytes = max(self.peak_bytes, self.live_bytes)
+        self._refs = [r for r in self._refs if r() is not None] + [weakref.ref(buffer)]
+
+    def buffers_alive(self) -> int:
+        """Fetched buffers still referenced by anyone: the bookkeeping above, checked for real."""
+        return sum(r() is not None for r in self._refs)
+
+
+@dataclass
+class _Fetch:
+    """One layer's full parameters, possibly still arriving (``works`` not yet waited)."""
+
+    params: Params
+    works: list
+    nbytes: int  # bytes of the received (non-owned) buffers
+
+    def wait(self) -> Params:
+        for work in self.works:
+            work.wait()
+        self.works = []
+        return self.params
+
+
+class Zero3Runtime:
+    """State shared by all layer handlers of one ``Zero3`` model ([Note: zero3 prefetch])."""
+
+    def __init__(self, rank: int, world_size: int, prefetch_depth: int) -> None:
+        self.rank = rank
+        self.world_size = world_size
+        self.prefetch_depth = prefetch_depth
+        self.stats = FetchStats()
+        self.sync_grads = True  # set per pass from require_backward_grad_sync
+        self.accumulated: Dict[int, torch.Tensor] = {}  # id(param) -> no_sync gradient sum
+        self._recorded: Dict[tuple, List["Zero3Handler"]] = {}
+        self._key: tuple = ()
+        self._script: Optional[List["Zero3Handler"]] = None  # sequence being followed
+        self._off_script = False
+        self._seen: List["Zero3Handler"] = []  # sequence of this pass
+        self._in_flight: Dict[int, _Fetch] = {}  # position in the pass -> prefetch
+        self._in_use: Dict[int, _Fetch] = {}  # id(handler) -> fetch being computed with
+
+    def begin_pass(self, key: tuple, prefetch: bool, sync_grads: bool) -> None:
+        """Start a pass of kind ``key``: close the previous one, pick this one's script."""
+        self._drain()
+        if self._seen and (self._key not in self._recorded or self._off_script):
+            self._recorded[self._key] = self._seen  # first pass of its kind, or off script
+        self._key, self._seen, self._off_script = key, [], False
+        self._script = self._recorded.get(key) if prefetch else None
+        self.sync_grads = sync_grads
+
+    def fetch(self, handler: "Zero3Handler") -> Params:
+        pos = len(self._seen)
+        self._seen.append(handler)
+        script = self._script
+        if script is not None and (pos >= len(script) or script[pos] is not handler):
+            self._drain()  # off script: the same on every rank, so collectives stay matched
+            self._script, self._off_script = None, True
+        current = self._in_flight.pop(pos, None)
+        if current is None:
+            current = handler.start_fetch(async_op=False)
+        if self._script is not None:
+            for ahead in range(pos + 1, min(pos + 1 + self.prefetch_depth, len(self._script))):
+                if ahead not in self._in_flight:
+                    self._in_flight[ahead] = self._script[ahead].start_fetch(async_op=True)
+        self._in_use[id(handler)] = current
+        return current.wait()
+
+    def release(self, handler: "Zero3Handler") -> None:
+        done = self._in_use.pop(id(handler), None)
+        if done is not None:
+            self.stats.live_bytes -= done.nbytes
+
+    def _drain(self) -> None:
+        for pending in self._in_flight.values():
+            pending.wait()
+            self.stats.live_bytes -= pending.nbytes
+        self._in_flight.clear()
+
+    def reduce_grad(self, param: nn.Parameter, grad: torch.Tensor) -> Optional[torch.Tensor]:
+        """Full ``grad`` of ``param`` -> the owner's share of the average; None elsewhere."""
+        owner = getattr(param, ATTR).owner
+        if not self.sync_grads:
+            total = self.accumulated.get(id(param))
+            if total is None:
+                self.accumulated[id(param)] = grad.clone()
+            else:
+                total.add_(grad)
+            return None
+        accumulated = self.accumulated.pop(id(param), None)
+        if accumulated is not None:
+            grad = accumulated.add_(grad)
+        if self.world_size == 1:
+            return grad
+        # Pre-divide, then SUM: an average on every backend. Out of place unless the tensor is
+        # our own buffer: the callback's gradient may share storage with something else.
+        total = grad.div_(self.world_size) if accumulated is not None else grad / self.world_size
+        comm.reduce(total, dst=owner)
+        return total if owner == self.rank else None
+
+    @torch.no_grad()
+    def gather_full(self, param: nn.Parameter) -> torch.Tensor:
+        """The full tensor of ``param`` on every rank (a collective: call it on all ranks)."""
+        info: TensorInfo = getattr(param, ATTR)
+        if info.owner == self.rank:
+            full = param.detach()
+        else:
+            full = torch.empty(info.shape, dtype=param.dtype, device=param.device)
+        if self.world_size > 1:
+            comm.broadcast(full, src=info.owner)
+        return full
+
+
+class Zero3Handler(ParamHandler):
+    """Param handler of one layer under ZeRO-3 ([Note: zero3 tensor life cycle])."""
+
+    def __init__(self, runtime: Zero3Runtime) -> None:
+        self.runtime = runtime
+        self.module: Optional[nn.Module] = None  # set by ``attach``
+
+    def attach(self, module: nn.Module) -> "Zero3Handler":
+        self.module = module
+        module.param_handler = self
+        return self
+
+    def start_fetch(self, async_op: bool) -> _Fetch:
+        """Issue this layer's broadcasts; the result is valid after ``_Fetch.wait()``."""
+        rt = self.runtime
+        params: List[Optional[torch.Tensor]] = []
+        works, nbytes = [], 0
+        for name in self.module.param_names:
+            local = getattr(self.module, name)
+            if local is None:  # absent bias
+                params.append(None)
+                continue
+            info: TensorInfo = getattr(local, ATTR)
+            if info.owner == rt.rank:
+                full = local.detach()  # the owner computes with its own tensor
+            else:
+                full = torch.empty(info.shape, dtype=local.dtype, device=local.device)
+                rt.stats.add(full)
+                nbytes += full.numel() * full.element_size()
+            if rt.world_size > 1:
+                work = comm.broadcast(full, src=info.owner, async_op=async_op)
+                if work is not None:
+                    works.append(work)
+            params.append(full)
+        return _Fetch(tuple(params), works, nbytes)
+
+    def fetch(self, module: nn.Module, phase: str) -> Params:
+        return self.runtime.fetch(self)
+
+    def release(self, module: nn.Module, phase: str) -> None:
+        self.runtime.release(self)
+
+    def reduce_grads(self, module: nn.Module, grads: Params) -> Params:
+        out: List[Optional[torch.Tensor]] = []
+        for name, grad in zip(module.param_names, grads):
+            local = getattr(module, name)
+            if local is None or grad is None:  # absent or frozen: the same on every rank
+                out.append(None)
+            else:
+                out.append(self.runtime.reduce_grad(local, grad))
+        return tuple(out)

@@ -1,0 +1,247 @@
+"""``Zero3``: ZeRO-3 without splitting tensors; each whole parameter lives on one rank.
+
+[Note: zero3 inter-tensor]
+The partition table (``partition.py``) gives every parameter one owner. Only the owner stores
+the parameter, its gradient and its optimizer state; the other ranks keep an empty ``(0,)``
+tensor in its place. Layers receive full parameters by broadcast from the owners just before
+they compute, in forward and again in backward, and gradients are reduced to the owners (see
+``handler.py``). Per rank, between steps: owned parameters + owned gradients + owned optimizer
+state; during a step, in addition, the parameters of the layer being computed (and of the
+``prefetch_depth`` next ones with async communication). Traffic per step and rank, ring model:
+3 (N-1)/N x model bytes (two broadcasts and one reduce per use of a tensor; a tied tensor is
+used twice), 1.5 x DDP's all-reduce (2 (N-1)/N).
+
+Limits: every rank must call the same layers in the same order (no data-dependent skipping of
+layers: the broadcasts and reduces of all ranks must pair up). Gradient sync is decided when
+``Zero3.forward`` runs (as in torch DDP). A parameter whose gradient was accumulated under
+``no_sync()`` must get a gradient in the next synchronised backward too, which reduces it.
+"""
+
+from collections import OrderedDict
+from typing import Any, Dict, List, Mapping, Optional, Tuple
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn.modules.module import _IncompatibleKeys
+
+from tiny_fsdp.core import comm
+from tiny_fsdp.core.module import CallbackModule
+from tiny_fsdp.core.wrapper import DataParallelWrapper
+from tiny_fsdp.core.zero3.handler import ATTR, FetchStats, TensorInfo, Zero3Handler, Zero3Runtime
+
+
+class Zero3(DataParallelWrapper):
+    """ZeRO-3 inter-tensor data parallelism ([Note: zero3 inter-tensor]).
+
+    Args:
+        module: the model; a normal one (every rank builds the same weights, e.g. same seed; the
+            owner keeps its tensors) or one built on the ``meta`` device, in which case each
+            owner allocates its tensors and fills them with ``module.init_parameter(name,
+            tensor)``, so the whole model never exists on one rank.
+        param_part_table: name -> owner rank for every ``module.named_parameters()`` name, as
+            returned by ``zero3_partition_tensors``; its ``ranks_map`` device (if given) is
+            where this rank's tensors live.
+        enable_async_communication: prefetch the next layers' broadcasts ([Note: zero3
+            prefetch]); results are bitwise identical on and off.
+        prefetch_depth: how many layers ahead async communication fetches (>= 1).
+        sync_module_states: broadcast every tensor from rank 0 first (normal models only), so
+            ranks built with different seeds cannot disagree.
+    """
+
+    def __init__(
+        self,
+        module: nn.Module,
+        param_part_table: Mapping[str, int],
+        enable_async_communication: bool = False,
+        *,
+        prefetch_depth: int = 2,
+        sync_module_states: bool = False,
+    ) -> None:
+        super().__init__(module, enable_async_communication)
+        if prefetch_depth < 1:
+            raise ValueError(f"prefetch_depth must be >= 1, got {prefetch_depth}")
+        rank, world_size = dist.get_rank(), dist.get_world_size()
+        named = list(self.module.named_parameters())  # tied parameters appear once
+        check_table(param_part_table, named, world_size, "Zero3")
+        self.param_part_table = param_part_table
+        self.device = _choose_device(param_part_table, named, rank)  # move inputs here
+        self._runtime = Zero3Runtime(rank, world_size, prefetch_depth)
+        self._materialize(named, self.device, sync_module_states)
+        for layer in self.module.modules():
+            if isinstance(layer, CallbackModule):
+                Zero3Handler(self._runtime).attach(layer)
+
+    @property
+    def fetch_stats(self) -> FetchStats:
+        """Bytes of fetched, non-owned parameter buffers on this rank (live and peak)."""
+        return self._runtime.stats
+
+    @property
+    def prefetch_depth(self) -> int:
+        return self._runtime.prefetch_depth
+
+    @property
+    def no_sync_bytes(self) -> int:
+        """Bytes of the gradients accumulated under ``no_sync()`` and not reduced yet."""
+        return sum(t.numel() * t.element_size() for t in self._runtime.accumulated.values())
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        # Gradient sync is decided at forward time, like torch DDP: a forward run inside
+        # no_sync() accumulates in its backward even if backward runs outside the block.
+        self._runtime.begin_pass(
+            key=(torch.is_grad_enabled(), self.gradient_checkpointing),
+            prefetch=self.enable_async_communication,
+            sync_grads=self.require_backward_grad_sync,
+        )
+        return self.module(*args, **kwargs)
+
+    @torch.no_grad()
+    def _materialize(
+        self, named: List[Tuple[str, nn.Parameter]], device: torch.device, sync: bool
+    ) -> None:
+        """Keep (or create) the owned tensors on ``device``; leave (0,) tensors elsewhere."""
+        rt = self._runtime
+        init = getattr(self.module, "init_parameter", None)
+        meta = [name for name, param in named if param.is_meta]
+        if meta and init is None:  # checked on every rank, owner or not: all raise alike
+            raise ValueError(
+                f"{type(self.module).__name__} was built on the meta device but has no "
+                f"init_parameter(name, tensor) method to initialise {meta[:3]} on their owners; "
+                "add one or build the model normally"
+            )
+        for name, param in named:
+            info = TensorInfo(name, self.param_part_table[name], param.shape)
+            owned = info.owner == rt.rank
+            if param.is_meta:
+                shape = info.shape if owned else (0,)
+                data = torch.empty(shape, dtype=param.dtype, device=device)
+                if owned:
+                    init(name, data)
+                # A meta Parameter cannot take real data in place: swap the object, in every
+                # module that holds it (both ends of a tied pair).
+                new = nn.Parameter(data, requires_grad=param.requires_grad)
+                for layer in self.module.modules():
+                    for key, value in layer._parameters.items():
+                        if value is param:
+                            layer._parameters[key] = new
+                param = new
+            else:
+                data = param.data.to(device)
+                if sync and rt.world_size > 1:
+                    comm.broadcast(data, src=0)
+                param.data = data if owned else torch.empty(0, dtype=param.dtype, device=device)
+            setattr(param, ATTR, info)
+        for path, buf in self.module.named_buffers():
+            if buf.is_meta:
+                raise NotImplementedError(
+                    f"buffer '{path}' is on the meta device; Zero3 materialises parameters only"
+                )
+
+    def state_dict(
+        self, destination: Optional[Dict] = None, prefix: str = "", keep_vars: bool = False
+    ) -> Dict[str, torch.Tensor]:
+        """Full tensors under the plain model's keys (tied keys too), on every rank.
+
+        A collective: every rank must call it. Owned entries alias the live parameters, as in
+        ``torch.nn``; the others are fresh copies.
+        """
+        out = OrderedDict() if destination is None else destination
+        gathered: Dict[int, torch.Tensor] = {}
+        for key, value in self.module.state_dict(keep_vars=True).items():
+            if getattr(value, ATTR, None) is None:  # a buffer: every rank has it whole
+                out[prefix + key] = value if keep_vars else value.detach()
+                continue
+            if id(value) not in gathered:
+                gathered[id(value)] = self._runtime.gather_full(value)
+            out[prefix + key] = gathered[id(value)]
+        return out
+
+    @torch.no_grad()
+    def load_state_dict(
+        self, state_dict: Mapping[str, Any], strict: bool = True, assign: bool = False
+    ) -> _IncompatibleKeys:
+        """Load full tensors (plain keys); each rank copies only the tensors it owns."""
+        if assign:
+            raise NotImplementedError("Zero3.load_state_dict copies into owned tensors only")
+        expected = self.module.state_dict(keep_vars=True)
+        missing = [k for k in expected if k not in state_dict]
+        unexpected = [k for k in state_dict if k not in expected]
+        if strict and (missing or unexpected):
+            raise RuntimeError(
+                f"Error(s) in loading state_dict for Zero3: missing keys {missing}, "
+                f"unexpected keys {unexpected} (keys are the plain model's, without 'module.')"
+            )
+        for key, value in expected.items():
+            if key not in state_dict:
+                continue
+            info: Optional[TensorInfo] = getattr(value, ATTR, None)
+            source = state_dict[key]
+            shape = value.shape if info is None else info.shape
+            if tuple(source.shape) != tuple(shape):
+                raise RuntimeError(
+                    f"size mismatch for {key}: checkpoint {tuple(source.shape)}, "
+                    f"model {tuple(shape)}"
+                )
+            if info is None or info.owner == self._runtime.rank:
+                value.copy_(source)
+        return _IncompatibleKeys(missing, unexpected)
+
+
+def check_table(
+    table: Mapping[str, int], named: List[Tuple[str, torch.Tensor]], world_size: int, what: str
+) -> None:
+    """Raise ValueError (saying how to fix it) unless ``table`` fits ``named`` on N ranks."""
+    fix = (
+        "build the table for this model and process group: zero3_partition_tensors("
+        "OrderedDict(model.named_parameters()), ranks_map=[one device per rank])"
+    )
+    made_for = getattr(table, "world_size", None)
+    if made_for is not None and made_for != world_size:
+        raise ValueError(
+            f"{what}: the partition table was made for {made_for} ranks but the process group "
+            f"has {world_size}; {fix}"
+        )
+    bad = {name: rank for name, rank in table.items() if not 0 <= rank < world_size}
+    if bad:
+        raise ValueError(f"{what}: owner ranks outside [0, {world_size}): {bad}; {fix}")
+    names = [name for name, _ in named]
+    missing = [n for n in names if n not in table]
+    extra = [n for n in table if n not in set(names)]
+    if missing or extra:
+        raise ValueError(
+            f"{what}: the partition table was made for another model: parameters missing from "
+            f"the table {missing[:5]}{'...' if len(missing) > 5 else ''}, table names not in "
+            f"the model {extra[:5]}{'...' if len(extra) > 5 else ''}; {fix}"
+        )
+    nbytes = getattr(table, "nbytes", None)
+    if nbytes is not None:  # same names, other sizes: e.g. another GPTConfig
+        sizes = {n: full_numel(p) * p.element_size() for n, p in named}
+        wrong = [n for n in names if sizes[n] != nbytes[n]]
+        if wrong:
+            raise ValueError(
+                f"{what}: the partition table was made for another model: sizes differ for "
+                f"{wrong[:5]} (table {[nbytes[n] for n in wrong[:5]]} bytes, model "
+                f"{[sizes[n] for n in wrong[:5]]}); {fix}"
+            )
+
+
+def full_numel(param: torch.Tensor) -> int:
+    """Elements of the full tensor, also on a rank that holds an empty placeholder."""
+    info: Optional[TensorInfo] = getattr(param, ATTR, None)
+    return param.numel() if info is None else info.shape.numel()
+
+
+def _choose_device(
+    table: Mapping[str, int], named: List[Tuple[str, nn.Parameter]], rank: int
+) -> torch.device:
+    """This rank's device: ``ranks_map[rank]`` if the table has it, else the parameters'."""
+    devices = getattr(table, "devices", None)
+    if devices and devices[rank] is not None:
+        return torch.device(devices[rank])
+    for _, param in named:
+        if not param.is_meta:
+            return param.device
+    if dist.get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
