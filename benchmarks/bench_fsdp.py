@@ -32,6 +32,7 @@ import torch.nn.functional as F
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # repo root
 
 from example.model import GPT2Model, GPTConfigs  # noqa: E402
+from tiny_fsdp.core import comm  # noqa: E402
 from tiny_fsdp.core.fsdp import FSDP, FSDPAdamW  # noqa: E402
 
 
@@ -80,26 +81,30 @@ def held_bytes(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> int:
 
 
 def build(args: argparse.Namespace) -> Dict[str, Tuple[torch.nn.Module, torch.optim.Optimizer]]:
+    """``{name: (model, optimizer)}``: ours once per ``--units`` entry, and FSDP2."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
     torch.manual_seed(0)
     base = GPT2Model(GPTConfigs.get(args.model))
-    theirs = copy.deepcopy(base)
-    ours = FSDP(
-        base,
-        enable_async_communication=args.async_comm,
-        prefetch_limit=args.prefetch_limit,
-        unit=list(base.transformer.h) if args.unit == "blocks" else args.unit,
-    )
-    ours_opt = FSDPAdamW(ours.named_parameters(), lr=1e-4)
+    runs = {}
+    for unit in args.units.split(","):
+        model = copy.deepcopy(base)
+        ours = FSDP(
+            model,
+            enable_async_communication=args.async_comm,
+            prefetch_limit=args.prefetch_limit,
+            unit=list(model.transformer.h) if unit == "blocks" else unit,
+        )
+        runs[f"ours-{unit}"] = (ours, FSDPAdamW(ours.named_parameters(), lr=1e-4))
     # FSDP2 as its docs recommend: one unit per transformer block, then the root.
+    theirs = base
     mesh = init_device_mesh("cpu", (dist.get_world_size(),))
     for block in theirs.transformer.h:
         fully_shard(block, mesh=mesh)
     fully_shard(theirs, mesh=mesh)
-    theirs_opt = torch.optim.AdamW(theirs.parameters(), lr=1e-4)
-    return {"ours": (ours, ours_opt), "fsdp2": (theirs, theirs_opt)}
+    runs["fsdp2"] = (theirs, torch.optim.AdamW(theirs.parameters(), lr=1e-4))
+    return runs
 
 
 def make_step(
@@ -116,6 +121,55 @@ def make_step(
     return step
 
 
+def measure(args: argparse.Namespace, rank: int) -> Dict[str, Dict[str, float]]:
+    """Alternate steps of every run (rotating who goes first); return per-run figures."""
+    runs = build(args)
+    names = list(runs)
+    steps = {name: make_step(*runs[name]) for name in names}
+    samples: Dict[str, Dict[str, List[float]]] = {
+        name: {"time": [], "hwm": [], "rise": [], "loss": [], "collectives": []} for name in names
+    }
+    vocab = GPTConfigs.get(args.model).vocab_size
+    for i in range(args.warmup + args.steps):
+        gen = torch.Generator().manual_seed(1000 * i + rank)
+        tokens = torch.randint(vocab, (args.batch, args.seq + 1), generator=gen)
+        x, y = tokens[:, :-1], tokens[:, 1:]
+        for name in names[i % len(names) :] + names[: i % len(names)]:
+            dist.barrier()
+            reset_rss_peak()
+            start_rss = rss_kib("VmRSS")
+            comm.LEDGER.reset()
+            t0 = time.perf_counter()
+            loss = steps[name](x, y)
+            elapsed = time.perf_counter() - t0
+            s = samples[name]
+            s["loss"].append(loss)
+            if i >= args.warmup:
+                s["time"].append(elapsed)
+                s["hwm"].append(rss_kib("VmHWM") / 1024)
+                s["rise"].append((rss_kib("VmHWM") - start_rss) / 1024)
+                s["collectives"].append(sum(comm.LEDGER.calls.values()))
+    report = {}
+    for name in names:
+        s = samples[name]
+        paired = [a / b for a, b in zip(s["time"], samples["fsdp2"]["time"])]
+        report[name] = dict(
+            median_ms=1e3 * statistics.median(s["time"]),
+            min_ms=1e3 * min(s["time"]),
+            max_ms=1e3 * max(s["time"]),
+            paired_ratio=statistics.median(paired),
+            hwm_mib=max(s["hwm"]),
+            rise_mib=max(s["rise"]),
+            held_mib=held_bytes(*runs[name]) / 2**20,
+            collectives=statistics.median(s["collectives"]),
+            loss_diff=max(abs(a - b) for a, b in zip(s["loss"], samples["fsdp2"]["loss"])),
+        )
+        if name != "fsdp2":
+            report[name]["gathered_mib"] = runs[name][0].memory_stats()["peak_gathered_bytes"]
+            report[name]["gathered_mib"] /= 2**20
+    return report
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--model", default="gpt2_mini", choices=GPTConfigs.names())
@@ -123,7 +177,9 @@ def main() -> None:
     parser.add_argument("--seq", type=int, default=256)
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--steps", type=int, default=10)
-    parser.add_argument("--unit", default="layer", choices=["layer", "tensor", "blocks"])
+    parser.add_argument(
+        "--units", default="layer", help="comma-separated units of ours: layer, tensor, blocks"
+    )
     parser.add_argument("--no-async", dest="async_comm", action="store_false")
     parser.add_argument("--prefetch-limit", type=int, default=1)
     args = parser.parse_args()
@@ -132,66 +188,27 @@ def main() -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
-    runs = build(args)
-    steps = {name: make_step(*pair) for name, pair in runs.items()}
-    times: Dict[str, List[float]] = {name: [] for name in runs}
-    hwm: Dict[str, List[int]] = {name: [] for name in runs}
-    rise: Dict[str, List[int]] = {name: [] for name in runs}
-    losses: Dict[str, List[float]] = {name: [] for name in runs}
-    vocab = runs["ours"][0].module.config.vocab_size
-    for i in range(args.warmup + args.steps):
-        gen = torch.Generator().manual_seed(1000 * i + rank)
-        tokens = torch.randint(vocab, (args.batch, args.seq + 1), generator=gen)
-        x, y = tokens[:, :-1], tokens[:, 1:]
-        for name, step in steps.items():
-            dist.barrier()
-            reset_rss_peak()
-            start_rss = rss_kib("VmRSS")
-            t0 = time.perf_counter()
-            losses[name].append(step(x, y))
-            elapsed = time.perf_counter() - t0
-            if i >= args.warmup:
-                times[name].append(elapsed)
-                hwm[name].append(rss_kib("VmHWM"))
-                rise[name].append(rss_kib("VmHWM") - start_rss)
-    ours_model = runs["ours"][0]
-    report = {
-        name: dict(
-            median_s=statistics.median(times[name]),
-            min_s=min(times[name]),
-            max_s=max(times[name]),
-            hwm_mib=max(hwm[name]) / 1024,
-            rise_mib=max(rise[name]) / 1024,
-            held_mib=held_bytes(*runs[name]) / 2**20,
-        )
-        for name in runs
-    }
-    report["ours"]["peak_gathered_mib"] = ours_model.memory_stats()["peak_gathered_bytes"] / 2**20
-    max_loss_diff = max(abs(a - b) for a, b in zip(losses["ours"], losses["fsdp2"]))
-    gathered = [None] * world
-    dist.all_gather_object(gathered, report)
+    report = measure(args, rank)
+    reports: List[Dict] = [None] * world
+    dist.all_gather_object(reports, report)
     if rank == 0:
         print(
             f"{args.model}, {world} ranks (gloo, 1 thread each), batch {args.batch} x {args.seq} "
-            f"per rank, unit={args.unit}, async={args.async_comm}, "
-            f"{args.warmup} warm-up + {args.steps} measured steps each"
+            f"per rank, async={args.async_comm}, prefetch_limit={args.prefetch_limit}, "
+            f"{args.warmup} warm-up + {args.steps} measured steps each, load average "
+            f"{os.getloadavg()[0]:.1f}"
         )
-        for r, rep in enumerate(gathered):
-            for name in ("ours", "fsdp2"):
-                m = rep[name]
-                extra = (
-                    f"  peak gathered {m['peak_gathered_mib']:.1f} MiB" if name == "ours" else ""
-                )
+        for r, rep in enumerate(reports):
+            for name, m in rep.items():
+                gathered = f", peak gathered {m['gathered_mib']:.1f}" if "gathered_mib" in m else ""
                 print(
-                    f"rank {r} {name:5s}: step {m['median_s'] * 1e3:7.1f} ms median "
-                    f"({m['min_s'] * 1e3:.1f}..{m['max_s'] * 1e3:.1f}), RSS peak "
-                    f"{m['hwm_mib']:.0f} MiB (+{m['rise_mib']:.0f} in step), tensors held "
-                    f"{m['held_mib']:.1f} MiB{extra}"
+                    f"rank {r} {name:12s} step {m['median_ms']:7.1f} ms median "
+                    f"({m['min_ms']:.0f}..{m['max_ms']:.0f}), ratio to fsdp2 "
+                    f"{m['median_ms'] / rep['fsdp2']['median_ms']:.3f} (paired "
+                    f"{m['paired_ratio']:.3f}); {m['collectives']:.0f} collectives; MiB: RSS "
+                    f"peak {m['hwm_mib']:.0f} (+{m['rise_mib']:.0f} in step), tensors held "
+                    f"{m['held_mib']:.1f}{gathered}; max loss diff {m['loss_diff']:.1e}"
                 )
-            ratio = rep["ours"]["median_s"] / rep["fsdp2"]["median_s"]
-            rise_ratio = rep["ours"]["rise_mib"] / max(rep["fsdp2"]["rise_mib"], 1e-9)
-            print(f"rank {r} ratio ours/fsdp2: time {ratio:.3f}, in-step RSS rise {rise_ratio:.3f}")
-        print(f"max |loss ours - loss fsdp2| over all steps: {max_loss_diff:.2e}")
     dist.destroy_process_group()
 
 

@@ -346,10 +346,17 @@ def _check_bytes(
         if kind == "optim":  # plus AdamW's 0-d fp32 step counter per owned piece
             slack += 4 * len(list(model.parameters()))
         assert abs(held[kind] - formula) <= slack, f"{what}: {kind} {held[kind]} vs {formula}"
-    # One reduce-scatter of the padded gradient buffer, one all-gather of the parameters.
+    # The padded gradient buffer is reduced once and the parameter buffer gathered once, by
+    # reduce-scatter / all-gather, or on gloo all-reduce / broadcasts ([Note: ZeRO collectives
+    # on gloo]); nothing else is sent.
     flat_bytes = model.layout.numel * dtype.itemsize
-    assert LEDGER.payload_bytes["reduce_scatter"] == flat_bytes, what
-    assert LEDGER.payload_bytes["all_gather"] == flat_bytes, what
+    gloo = dist.get_backend() == "gloo"
+    reduce_kind, gather_kind = (
+        ("all_reduce", "broadcast") if gloo else ("reduce_scatter", "all_gather")
+    )
+    assert LEDGER.payload_bytes[reduce_kind] == flat_bytes, what
+    assert LEDGER.payload_bytes[gather_kind] == flat_bytes, what
+    assert sum(LEDGER.payload_bytes.values()) == 2 * flat_bytes, f"{what}: {LEDGER.payload_bytes}"
     if stage == 2:
         # Buckets are freed as they are reduced: at most the bucket being filled and the tied
         # embedding's bucket (its gradient is ready last) are alive besides the shard.

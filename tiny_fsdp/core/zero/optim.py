@@ -36,7 +36,7 @@ from torch import Tensor
 
 from tiny_fsdp.core import comm
 from tiny_fsdp.core.optim import SGD, AdamW
-from tiny_fsdp.core.zero.flat_buffer import Piece, shard_chunk, shard_piece
+from tiny_fsdp.core.zero.flat_buffer import Piece, gather_bucket, shard_chunk, shard_piece
 from tiny_fsdp.core.zero.zero import ZeroWrapper, zero_owner
 
 FORMAT = "tiny_fsdp.zero12.v1"
@@ -224,8 +224,10 @@ class _ZeroOptimizer:
                 shard_piece(shard, op.piece).copy_(value)
         flat = torch.empty(layout.numel, dtype=shard.dtype, device=device)
         for b, bucket in enumerate(layout.buckets):
-            out = flat[bucket.start : bucket.start + bucket.numel]
-            comm.all_gather(out, shard_chunk(shard, layout, b))
+            lo, _ = layout.chunk_range(b, self._wrapper.rank)
+            flat[lo : lo + bucket.chunk].copy_(shard_chunk(shard, layout, b))
+            bucket_view = flat[bucket.start : bucket.start + bucket.numel]
+            gather_bucket(bucket_view, self._wrapper.rank, layout.world_size, async_op=False)
         return flat.cpu() if keep else None
 
     def _master_dtype(self) -> torch.dtype:

@@ -7,22 +7,22 @@ the default ``LOCAL_HANDLER``. Rank 0's parameters and buffers are broadcast. Ea
 parameter gets a ``register_post_accumulate_grad_hook``, called once per backward after autograd
 has accumulated the parameter's gradient (a tied parameter is one leaf: once, after both uses).
 
-- ZeRO-1 keeps a full gradient buffer (parameter dtype). The hook makes ``param.grad`` the
-  parameter's view of it (copying a freshly allocated gradient in), so later backwards accumulate
-  in place. In a synchronised backward a complete bucket is divided by ``N`` and reduce-scattered
-  IN PLACE: afterwards rank r's chunk holds the averaged gradient and the rest of the buffer its
-  local gradient / N (only the owned chunks are meaningful; ``param.grad`` is not the average).
+- ZeRO-1 keeps a full gradient buffer (parameter dtype) and ``param.grad`` is the parameter's
+  view of it (a freshly allocated gradient is copied in), so no_sync micro-steps accumulate in
+  place. In a synchronised backward the hook leaves ``grad / N`` in the view; a complete bucket
+  is then reduced in place so that this rank's chunk holds the average. Only the owned chunks
+  are meaningful afterwards: ``param.grad`` is not guaranteed to be the average.
 - ZeRO-2 keeps only a gradient shard (``shard_numel``,). The hook copies ``param.grad / N`` into
-  a per-bucket staging buffer and sets ``param.grad = None``; a complete bucket is reduce-scattered
-  into its chunk of the shard and its staging buffer is dropped as soon as the collective is done,
-  so full-size gradients live bucket by bucket, never all at once.
+  a per-bucket staging buffer and sets ``param.grad = None``; a complete bucket is reduced at
+  once, its chunk lands in the shard and its staging buffer is dropped as soon as the collective
+  is done, so full-size gradients live bucket by bucket, never all at once.
 
 Buckets are launched strictly in bucket order (a bucket only after its predecessors), so the
 collectives of all ranks pair up whatever order gradients arrive in. With
 ``enable_async_communication`` they are launched with ``async_op=True`` while backward goes on
-(ZeRO-2 polls finished ones to free their staging) and waited for once at the end of backward;
-without, each is run synchronously when its turn comes (ZeRO-1: at the end of backward). Same
-buckets, same data, same collectives: results are bitwise identical on and off.
+(finished ones are collected at every hook) and waited for once at the end of backward; without,
+each runs synchronously when its turn comes (ZeRO-1: at the end of backward). Same buckets, same
+data, same collectives: results are bitwise identical on and off.
 
 ``_end_of_backward`` (queued on the autograd engine by the first hook) sends the buckets not
 launched yet: a parameter whose hook did not fire contributes its kept ``param.grad`` (no_sync
@@ -30,11 +30,12 @@ accumulation) or zeros. Inside ``no_sync()`` nothing is communicated and full lo
 are kept (ZeRO-2 included); the next synchronised backward reduces the accumulated total.
 
 Reduced gradients must be cleared (``optimizer.zero_grad()`` or ``model.zero_grad()``) before
-the next backward: the in-place reduction leaves nothing to accumulate onto, so a backward on
-reduced gradients raises instead of silently summing garbage. Limits (as DDP): the set of
-trainable parameters is fixed at wrap time; every rank must run backward through at least one
-trainable parameter in a synchronised step; a parameter without gradient on every rank gets a
-zero gradient (the optimizer still applies momentum / weight decay to it); no reentrant backward.
+the next backward: the reduction leaves nothing to accumulate onto, so a backward on reduced
+gradients raises instead of silently summing garbage. Limits (as DDP): the set of trainable
+parameters is fixed at wrap time; every rank must run backward through at least one trainable
+parameter in a synchronised step; a parameter without gradient on every rank gets a zero
+gradient (the optimizer still applies momentum / weight decay to it); no reentrant backward.
+Collectives: [Note: ZeRO collectives on gloo].
 """
 
 import weakref
@@ -46,7 +47,14 @@ from torch import nn
 
 from tiny_fsdp.core import comm
 from tiny_fsdp.core.wrapper import DataParallelWrapper
-from tiny_fsdp.core.zero.flat_buffer import FlatBuffer, FlatLayout, Piece, shard_chunk
+from tiny_fsdp.core.zero.flat_buffer import (
+    FlatBuffer,
+    FlatLayout,
+    Piece,
+    gather_bucket,
+    reduce_bucket,
+    shard_chunk,
+)
 
 # Set on every parameter (trainable or frozen) of a ZeRO-wrapped module: a weak ref to the wrapper.
 _OWNER_ATTR = "_tiny_fsdp_zero_owner"
@@ -149,7 +157,7 @@ class ZeroWrapper(DataParallelWrapper):
         self._arrived = [0] * len(self.layout.buckets)
         self._fired = [False] * len(self.params)
         self._next_launch = 0
-        self._pending: List[Tuple[Any, int]] = []  # (work, bucket) of async reduce-scatters
+        self._pending: List[Tuple[Any, int]] = []  # (PendingReduce, bucket) in flight
         self._staging = [None] * len(self.layout.buckets)
 
     def _on_grad_ready(self, index: int, param: nn.Parameter) -> None:
@@ -166,25 +174,31 @@ class ZeroWrapper(DataParallelWrapper):
         with torch.no_grad():
             if self.stage == 1:
                 self._grad_into_buffer(index, param)
+            elif self._sync:
+                self._grad_into_staging(index, param)
             if not self._sync:
                 return  # no_sync: keep the full local gradient (ZeRO-2: in param.grad)
-            if self.stage == 2:
-                self._grad_into_staging(index, param)
             self._fired[index] = True
-            bucket = self.layout.slots[index].bucket
-            self._arrived[bucket] += 1
+            self._arrived[self.layout.slots[index].bucket] += 1
             if self.enable_async_communication or self.stage == 2:
                 # ZeRO-2 always reduces during backward: that is what frees full gradients.
                 self._launch_complete_buckets()
 
     def _grad_into_buffer(self, index: int, param: nn.Parameter) -> None:
-        """ZeRO-1: make ``param.grad`` the parameter's view of the gradient buffer."""
+        """ZeRO-1: make ``param.grad`` the parameter's view of the gradient buffer; in a
+        synchronised backward, the view then holds this rank's share ``grad / N``."""
         view = self.grad_buffer.view(index)
-        if param.grad is not None and param.grad.data_ptr() != view.data_ptr():
-            view.copy_(param.grad)  # the slot is zero (cleared): copy == accumulate
-            param.grad = view
-        elif param.grad is None:
-            param.grad = view
+        fresh = param.grad is not None and param.grad.data_ptr() != view.data_ptr()
+        divide = self._sync and self.world_size > 1
+        if param.grad is None:
+            view.zero_()  # end of backward, unused parameter: contributes zeros
+        elif fresh and divide:
+            torch.div(param.grad, self.world_size, out=view)  # copy and divide in one pass
+        elif fresh:
+            view.copy_(param.grad)
+        elif divide:
+            view.div_(self.world_size)  # accumulated in place over no_sync micro-steps
+        param.grad = view
 
     def _grad_into_staging(self, index: int, param: nn.Parameter) -> None:
         """ZeRO-2: ``param.grad / N`` into the bucket's staging buffer; drop ``param.grad``."""
@@ -211,31 +225,32 @@ class ZeroWrapper(DataParallelWrapper):
         ):
             self._launch(self._next_launch)
             self._next_launch += 1
-        # Free the staging of finished ZeRO-2 reductions without waiting for the others.
+        # Finish the reductions that are done (ZeRO-2: frees their staging) without waiting.
         still = []
         for work, b in self._pending:
-            if self.stage == 2 and work.is_completed():
+            if work.is_completed():
                 work.wait()
-                self._staging[b] = None
+                self._finish(b)
             else:
                 still.append((work, b))
         self._pending = still
 
     def _launch(self, b: int) -> None:
-        """Reduce-scatter bucket ``b`` (already holding gradient / N for ZeRO-2)."""
-        asynchronous = self.enable_async_communication
+        """Reduce bucket ``b`` (this rank's gradient / N): this rank's chunk gets the sum."""
         if self.stage == 1:
-            src = self.grad_buffer.bucket(b)
-            if self.world_size > 1:
-                src.div_(self.world_size)
-            out = self.grad_buffer.chunk(b, self.rank)  # in place: a view of src
+            src, out = self.grad_buffer.bucket(b), self.grad_buffer.chunk(b, self.rank)
         else:
-            src = self._staging[b]
-            out = shard_chunk(self.grad_shard, self.layout, b)
-        work = comm.reduce_scatter(out, src, async_op=asynchronous)
-        if asynchronous:
-            self._pending.append((work, b))
+            src, out = self._staging[b], shard_chunk(self.grad_shard, self.layout, b)
+        pending = reduce_bucket(src, out, self.rank, self.enable_async_communication)
+        if self.enable_async_communication:
+            self._pending.append((pending, b))
         else:
+            pending.wait()
+            self._finish(b)
+
+    def _finish(self, b: int) -> None:
+        """Bucket ``b``'s reduction is done: ZeRO-2 frees its staging buffer."""
+        if self.stage == 2:
             self._staging[b] = None
 
     def _end_of_backward(self) -> None:
@@ -244,17 +259,16 @@ class ZeroWrapper(DataParallelWrapper):
                 return
             with torch.no_grad():
                 for index, p in enumerate(self.params):  # hooks that did not fire
-                    if self._fired[index] or self.layout.slots[index].bucket < self._next_launch:
-                        continue
-                    if self.stage == 1:
-                        if p.grad is not None:
+                    if not self._fired[index]:
+                        if self.stage == 1:
                             self._grad_into_buffer(index, p)
-                    else:
-                        self._grad_into_staging(index, p)
-                    self._arrived[self.layout.slots[index].bucket] += 1
+                        else:
+                            self._grad_into_staging(index, p)
+                        self._arrived[self.layout.slots[index].bucket] += 1
                 self._launch_complete_buckets()
-                for work, _ in self._pending:
+                for work, b in self._pending:
                     work.wait()
+                    self._finish(b)
             self.grads_reduced = True
         finally:
             self._reset_backward_state()
@@ -267,26 +281,25 @@ class ZeroWrapper(DataParallelWrapper):
 
     def all_gather_params(self) -> None:
         """Every rank's chunk of every bucket of the parameter buffer, to every rank (in place)."""
-        works = [
-            comm.all_gather(
-                self.param_buffer.bucket(b),
-                self.param_buffer.chunk(b, self.rank),
-                async_op=self.enable_async_communication,
+        works = []
+        for b in range(len(self.layout.buckets)):
+            bucket = self.param_buffer.bucket(b)
+            works += gather_bucket(
+                bucket, self.rank, self.world_size, self.enable_async_communication
             )
-            for b in range(len(self.layout.buckets))
-        ]
-        if self.enable_async_communication:
-            for work in works:
+        for work in works:
+            if work is not None:
                 work.wait()
 
     @torch.no_grad()
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Clear the gradients (the reduced ones included) before the next backward.
 
-        ZeRO-1 zeroes its gradient buffer and keeps ``param.grad`` as views of it unless
-        ``set_to_none``; ZeRO-2's shard needs no clearing (the next reduce-scatter overwrites it).
+        ``set_to_none``: ``param.grad = None`` (ZeRO-1's buffer is then overwritten by the next
+        backward, not zeroed now). Otherwise ZeRO-1 zeroes its buffer and ``param.grad`` stays
+        a view of it. ZeRO-2's shard needs no clearing: the next reduction overwrites it.
         """
-        if self.stage == 1:
+        if self.stage == 1 and not set_to_none:
             self.grad_buffer.data.zero_()
         for i, p in enumerate(self.params):
             if set_to_none:
