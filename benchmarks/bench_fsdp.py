@@ -1,16 +1,20 @@
 """tiny_fsdp FSDP vs PyTorch FSDP2 (``fully_shard``): step time and peak memory, same run.
 
-    torchrun --standalone --nproc_per_node=2 benchmarks/bench_fsdp.py [--unit layer|tensor|blocks]
+    torchrun --standalone --nproc_per_node=2 benchmarks/bench_fsdp.py [--units layer,blocks,tensor]
 
-Both strategies train the same GPT-2 (same initial weights, same per-rank batches) with AdamW,
-one thread per rank. Steps alternate (ours, FSDP2, ours, ...) so that both see the same machine
+Every run trains the same GPT-2 (same initial weights, same per-rank batches) with AdamW, one
+thread per rank: ours once per ``--units`` entry (``blocks``: the transformer blocks as units,
+the rest as a root unit, FSDP2's layout) and FSDP2 (``fully_shard`` per block, then the root).
+Steps alternate between the runs, rotating which goes first, so that all see the same machine
 state; after ``--warmup`` steps each, ``--steps`` are measured each. Reported per rank:
 
-- step time (forward + backward + optimizer step + zero_grad): median and min..max;
+- step time (forward + backward + optimizer step + zero_grad): median, min..max, the ratio of
+  medians to FSDP2 and the median of per-iteration ratios (robust to load that drifts);
+- collectives issued per step by ours (the communication ledger);
 - RSS high-water mark during the step (``VmHWM``, reset before each step through
   ``/proc/self/clear_refs``) and how far it rose above the RSS at the step's start;
 - bytes of tensors held between steps (parameters + gradients + optimizer state, local shards),
-  and for ours also the peak bytes of gathered full parameters (the handlers' counter).
+  and for ours also the peak bytes of gathered full parameters (the units' counter).
 
 glibc is told to serve large blocks with mmap and to trim freed memory (``mallopt``), so that
 RSS follows the live tensors instead of the allocator's high-water mark.
@@ -178,7 +182,9 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument(
-        "--units", default="layer", help="comma-separated units of ours: layer, tensor, blocks"
+        "--units",
+        default="layer,blocks",
+        help="comma-separated units of ours: layer, tensor, blocks (transformer blocks + root)",
     )
     parser.add_argument("--no-async", dest="async_comm", action="store_false")
     parser.add_argument("--prefetch-limit", type=int, default=1)

@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 from tiny_fsdp.core.module import convert_module
+from tiny_fsdp.core.precision import MixedPrecisionPolicy, apply_mixed_precision
 from tiny_fsdp.core.utils.dist import DistEnv
 
 
@@ -40,10 +41,19 @@ def _optimizer(adamw_cls, sgd_cls, named_params, decay, args, **extra) -> torch.
     return adamw_cls(groups, lr=args.lr, **extra)
 
 
+def _precision(args: argparse.Namespace) -> dict:
+    """``{"mixed_precision": policy}`` for ``--precision bf16``, ``{}`` for fp32."""
+    policy = MixedPrecisionPolicy.from_name(getattr(args, "precision", "fp32"))
+    return {} if policy is None else {"mixed_precision": policy}
+
+
 def _single_device(make_model, args, env):
     from tiny_fsdp.core.optim import SGD, AdamW
 
     model = convert_module(make_model()).to(env.device)
+    policy = _precision(args).get("mixed_precision")
+    if policy is not None:
+        apply_mixed_precision(model, policy)  # layers compute in bf16, params stay fp32
     return model, _optimizer(AdamW, SGD, model.named_parameters(), decayed_names(model), args)
 
 
@@ -52,7 +62,7 @@ def _ddp(make_model, args, env):
 
     plain = make_model().to(env.device)
     decay = decayed_names(plain)
-    model = DDP(plain, enable_async_communication=args.async_comm)
+    model = DDP(plain, enable_async_communication=args.async_comm, **_precision(args))
     return model, _optimizer(DDPAdamW, DDPSGD, model.named_parameters(), decay, args)
 
 
@@ -62,7 +72,9 @@ def _zero(stage: int):
 
         plain = make_model().to(env.device)
         decay = decayed_names(plain)
-        model = getattr(zero, f"Zero{stage}")(plain, enable_async_communication=args.async_comm)
+        model = getattr(zero, f"Zero{stage}")(
+            plain, enable_async_communication=args.async_comm, **_precision(args)
+        )
         adamw, sgd = getattr(zero, f"Zero{stage}AdamW"), getattr(zero, f"Zero{stage}SGD")
         return model, _optimizer(adamw, sgd, model.named_parameters(), decay, args)
 
@@ -84,7 +96,7 @@ def _zero3(make_model, args, env):
     parts, _ = zero3_partition_tensors(
         dict(meta.named_parameters()), ranks_map, evenness_priority=args.evenness_priority
     )
-    model = Zero3(meta, parts, enable_async_communication=args.async_comm)
+    model = Zero3(meta, parts, enable_async_communication=args.async_comm, **_precision(args))
     named = model.module.named_parameters()
     return model, _optimizer(Zero3AdamW, Zero3SGD, named, decay, args, param_part_table=parts)
 
@@ -94,7 +106,9 @@ def _fsdp(make_model, args, env):
 
     meta = _meta_model(make_model)
     decay = decayed_names(meta)
-    model = FSDP(meta, enable_async_communication=args.async_comm, device=env.device)
+    model = FSDP(
+        meta, enable_async_communication=args.async_comm, device=env.device, **_precision(args)
+    )
     return model, _optimizer(FSDPAdamW, FSDPSGD, model.named_parameters(), decay, args)
 
 

@@ -28,6 +28,7 @@ from example.model import GPT2Model, GPTConfigs
 from example.strategies import STRATEGIES, build_strategy
 from example.tokenizer import get_tokenizer
 from tiny_fsdp.core.utils.dist import DistEnv, init_distributed
+from tiny_fsdp.core.utils.failure import NonFiniteError, fail_fast, ranks_with_nonfinite
 
 
 def build_arg_parser(strategy: str) -> argparse.ArgumentParser:
@@ -53,6 +54,24 @@ def build_arg_parser(strategy: str) -> argparse.ArgumentParser:
     p.add_argument("--grad_clip", type=float, default=0.0, help="clip global grad norm (0: off)")
     p.add_argument("--grad_ckpt", action="store_true", help="recompute blocks in backward")
     p.add_argument("--async_comm", action="store_true", help="enable_async_communication")
+    p.add_argument(
+        "--precision",
+        default="fp32",
+        choices=["fp32", "bf16"],
+        help="bf16: compute and communicate in bf16, fp32 master weights and optimizer state",
+    )
+    p.add_argument(
+        "--on_nonfinite",
+        default="error",
+        choices=["error", "skip"],
+        help="inf/NaN loss or grads: stop, naming the step, or skip it on every rank",
+    )
+    p.add_argument(
+        "--timeout_s",
+        type=float,
+        default=300.0,
+        help="a collective waiting this long for the other ranks raises",
+    )
     if strategy == "zero3":
         p.add_argument("--evenness_priority", type=float, default=0.0)
     return p
@@ -83,7 +102,7 @@ def mean_over_ranks(value: float, env: DistEnv) -> float:
 
 
 def lm_loss(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-    logits = model(x)  # (B, T, vocab)
+    logits = model(x).float()  # (B, T, vocab); the softmax in fp32 also under --precision bf16
     return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1))
 
 
@@ -102,9 +121,10 @@ def setup(strategy: str, args: argparse.Namespace) -> DistEnv:
     if strategy == "single_device":
         device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
         return DistEnv(0, 0, 1, device)
-    return init_distributed(args.device)
+    return init_distributed(args.device, timeout_s=args.timeout_s)
 
 
+@fail_fast()  # a rank that raises makes the others stop too, naming it (no hang)
 def main(strategy: str, argv: Optional[List[str]] = None) -> List[float]:
     """Run training; return the logged (rank-mean) loss of every step."""
     if strategy not in STRATEGIES:
@@ -150,20 +170,30 @@ def main(strategy: str, argv: Optional[List[str]] = None) -> List[float]:
                 loss = lm_loss(model, x.to(env.device), y.to(env.device)) / args.grad_accum
                 loss.backward()
             step_loss += loss.item()
-        if args.grad_clip > 0:
-            optimizer.clip_grad_norm_(args.grad_clip)
-        optimizer.step()
+        # The norm is computed with clipping off too: it is how inf / NaN gradients show.
+        grad_norm = optimizer.clip_grad_norm_(args.grad_clip if args.grad_clip > 0 else math.inf)
+        bad_ranks = ranks_with_nonfinite([step_loss, grad_norm], env.device)  # same on all ranks
+        if bad_ranks and args.on_nonfinite == "error":
+            raise NonFiniteError(
+                f"step {step}: non-finite loss or gradients on rank(s) {bad_ranks} (this rank: "
+                f"loss {step_loss}, gradient norm {grad_norm.item()}); lower --lr, set "
+                "--grad_clip, check the data, or pass --on_nonfinite skip to skip such steps"
+            )
+        if not bad_ranks:
+            optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         if env.device.type == "cuda":
             torch.cuda.synchronize(env.device)
         ms = (time.perf_counter() - t0) * 1e3
         losses.append(mean_over_ranks(step_loss, env))
-        if master and (step % args.log_every == 0 or step == args.steps - 1):
+        if master and (step % args.log_every == 0 or step == args.steps - 1 or bad_ranks):
             mem = peak_memory_bytes(env.device) / 2**30
             line = (
                 f"step {step:5d} | loss {losses[-1]:.4f} | lr {lr_at(step, args):.2e} | "
                 f"{ms:8.1f} ms | {tokens_per_step / ms * 1e3:9.0f} tok/s | mem {mem:.2f} GiB"
             )
+            if bad_ranks:
+                line += f" | skipped: non-finite on rank(s) {bad_ranks}"
             bar.set_postfix(loss=f"{losses[-1]:.4f}")
             tqdm.write(line, file=sys.stdout)
         if args.eval_every and (step + 1) % args.eval_every == 0:

@@ -393,8 +393,19 @@ def _sharding_and_errors(rank: int, world_size: int) -> None:
         FSDP(OddNet(), rank=world_size)
     with pytest.raises(TypeError, match="not an FSDP shard"):
         FSDPAdamW(OddNet().named_parameters(), lr=1e-3)
+    # One unit holds both users of a tied weight; a backward that reaches only one of them
+    # would lose the other's part of the gradient, so the next forward refuses to go on.
+    tied = nn.Sequential(nn.Embedding(5, 3), nn.Linear(3, 5, bias=False))
+    tied[1].weight = tied[0].weight
+    fsdp = FSDP(tied, unit=[])  # no listed modules: every layer in the root unit
+    fsdp(torch.tensor([[1, 2]])).sum().backward()  # both users contribute
+    fsdp.module[0](torch.tensor([[1, 2]])).sum().backward()  # only the embedding
+    with pytest.raises(RuntimeError, match="only some of them"):
+        fsdp(torch.tensor([[1, 2]]))
+    opt = FSDPSGD(fsdp.parameters(), lr=0.1)
     with pytest.raises(TypeError, match="not an FSDP shard"):
-        FSDPSGD([{"params": list(fsdp.parameters())}, {"params": [nn.Parameter(torch.ones(2))]}])
+        opt.add_param_group({"params": [nn.Parameter(torch.ones(2))]})
+    assert len(opt.param_groups) == 1  # the rejected group was not kept
 
 
 def test_wrap_shards_rank0_values_and_rejects_bad_arguments() -> None:
@@ -431,7 +442,8 @@ def test_one_gather_per_unit_and_one_reduce_scatter_per_layer_or_tensor() -> Non
     expected = {
         "layer": (len(layers), len(layers) - 1, len(layers)),
         "tensor": (tensors, tensors - 1, tensors),
-        "blocks": (CFG.n_layer + 1, CFG.n_layer, len(layers)),
+        # The root unit holds wte and lm_head: their tied weight is reduced once.
+        "blocks": (CFG.n_layer + 1, CFG.n_layer, len(layers) - 1),
     }
     for unit, (forward, backward, reduce) in expected.items():
         assert counts[f"{unit}-forward-gathers"] == forward
@@ -482,12 +494,15 @@ def test_frozen_parameters_are_sharded_but_get_no_grad_or_state() -> None:
     run_distributed(_frozen, 3)
 
 
-def _no_sync(rank: int, world_size: int, micro: int) -> None:
+def _no_sync(rank: int, world_size: int, micro: int, blocks: bool) -> None:
     reference = make_model(0, CFG)
-    fsdp, opt = _wrap(copy.deepcopy(reference), "sgd_momentum", enable_async_communication=True)
+    model = copy.deepcopy(reference)
+    unit = list(model.transformer.h) if blocks else "layer"
+    fsdp, opt = _wrap(model, "sgd_momentum", enable_async_communication=True, unit=unit)
     ref_opt = _reference_optimizer("sgd_momentum", reference)
-    # Each layer keeps its padded full gradient (the tied weight twice): with per-layer units,
-    # exactly the bytes of one gather of every unit.
+    # Every parameter's padded full gradient is kept once per unit that uses it (the tied
+    # weight twice with per-layer units, once in the root unit with blocks): exactly the bytes
+    # of one gather of every unit.
     padded_grad_bytes = sum(4 * unit.gathered_numel() for unit in fsdp.units)
     for step in range(2):
         batches = [
@@ -510,7 +525,8 @@ def _no_sync(rank: int, world_size: int, micro: int) -> None:
                 assert fsdp.memory_stats()["accumulated_grad_bytes"] == padded_grad_bytes
             else:
                 loss.backward()
-                assert comm.LEDGER.calls["reduce_scatter"] == 16  # one per layer, in total
+                # One per layer, in total (the tied weight once with blocks).
+                assert comm.LEDGER.calls["reduce_scatter"] == (15 if blocks else 16)
                 assert fsdp.memory_stats()["accumulated_grad_bytes"] == 0
         opt.step()
         opt.zero_grad()
@@ -519,14 +535,16 @@ def _no_sync(rank: int, world_size: int, micro: int) -> None:
         assert (full[name] - value).abs().max().item() <= PARAM_ATOL, name
 
 
-@pytest.mark.parametrize("world_size, micro", [(2, 3), (3, 2)])
-def test_no_sync_micro_batches_equal_one_big_batch(world_size: int, micro: int) -> None:
-    run_distributed(_no_sync, world_size, micro)
+@pytest.mark.parametrize("world_size, micro, blocks", [(2, 3, False), (3, 2, True)])
+def test_no_sync_micro_batches_equal_one_big_batch(
+    world_size: int, micro: int, blocks: bool
+) -> None:
+    run_distributed(_no_sync, world_size, micro, blocks)
 
 
 def _tied(rank: int, world_size: int) -> None:
     reference = make_model(0, CFG)
-    fsdp = FSDP(copy.deepcopy(reference))
+    fsdp, opt = _wrap(copy.deepcopy(reference))
     wte, head = fsdp.module.transformer.wte.weight, fsdp.module.lm_head.weight
     assert wte is head and len(list(fsdp.parameters())) == len(list(reference.parameters()))
     assert wte.shape == (math.ceil(CFG.vocab_size / world_size), CFG.n_embd)
@@ -539,9 +557,13 @@ def _tied(rank: int, world_size: int) -> None:
     expected = reference.lm_head.weight.grad[start : start + info.valid_rows]
     assert (wte.grad[: info.valid_rows] - expected).abs().max().item() <= 1e-6
     assert (wte.grad[info.valid_rows :] == 0).all()
+    # Global gradient norm over the shards (the tied weight once, padding adds zeros).
+    ours = opt.clip_grad_norm_(1.0).item()
+    theirs = torch.nn.utils.clip_grad_norm_(reference.parameters(), 1.0).item()
+    assert abs(ours - theirs) <= 1e-5 * theirs
 
 
-def test_tied_weight_is_one_shard_with_both_gradients() -> None:
+def test_tied_weight_is_one_shard_with_both_gradients_and_norm_counts_it_once() -> None:
     # Gradients of one backward: only the reduction order differs, 1e-6 absolute suffices.
     run_distributed(_tied, 3)
 

@@ -13,7 +13,9 @@ All distributed measurements of one world size come from one ``run_distributed``
 (``_measure``), cached for the module; the tests only compare.
 """
 
+import functools
 import math
+import time
 from collections import OrderedDict
 from typing import Any, Dict, List, Tuple
 
@@ -21,14 +23,15 @@ import pytest
 import torch
 from torch import nn
 
+from example.benchmark import PHASES
 from tests.harness import run_distributed
 from tests.parity import global_batch, lm_loss, local_slice, make_model
 from tiny_fsdp.core.comm import LEDGER
-from tiny_fsdp.core.memory import MemoryReport, memory_ledger
+from tiny_fsdp.core.memory import MemoryReport, allocated_bytes, memory_ledger, peak_growth
 from tiny_fsdp.core.module import CallbackModule, convert_module
 from tiny_fsdp.core.optim import AdamW
-from tiny_fsdp.estimate import estimate_memory, estimate_model
 from tiny_fsdp.core.zero3 import zero3_partition_tensors
+from tiny_fsdp.estimate import estimate_memory, estimate_model
 
 WORLD_SIZES = [2, 3]
 FP32 = 4
@@ -56,6 +59,7 @@ BF16_VARIANTS = ["zero1_bf16", "zero2_bf16"]  # fp32 master + fp32 moments: the 
 # ------------------------------------------------------------------ rank side
 
 
+@functools.lru_cache(maxsize=None)
 def _parts(world_size: int) -> Dict[str, int]:
     with torch.device("meta"):
         meta = make_model()
@@ -130,6 +134,7 @@ def measured(world_size: int, bf16: bool = False) -> List[Dict[str, Dict[str, An
 # ------------------------------------------------------------------ theory, from the plain model
 
 
+@functools.lru_cache(maxsize=None)
 def _layers() -> List[List[torch.Size]]:
     """Full shapes of each layer's parameters, layers in module order (= forward order)."""
     model = convert_module(make_model())
@@ -140,6 +145,7 @@ def _layers() -> List[List[torch.Size]]:
     ]
 
 
+@functools.lru_cache(maxsize=None)
 def _unique_shapes() -> List[torch.Size]:
     return [p.shape for p in make_model().parameters()]  # the tied weight once
 
@@ -219,8 +225,8 @@ def expected_memory(variant: str, n: int, rank: int, n_state: int) -> MemoryRepo
         owned = _zero_owned(rank, n, option == "buckets")
         return MemoryReport(flat, grads, 2 * FP32 * owned + counters)
     if name == "zero3":  # whole tensors, on their owner only
-        parts, sizes = _parts(n), dict(make_model().named_parameters())
-        owned = FP32 * sum(sizes[k].numel() for k, owner in parts.items() if owner == rank)
+        sizes = {name: p.numel() for name, p in make_model().named_parameters()}
+        owned = FP32 * sum(sizes[k] for k, owner in _parts(n).items() if owner == rank)
         return MemoryReport(owned, owned, 2 * owned + counters)
     if name == "fsdp":  # padded dim-0 shards; optimizer state for the real rows only
         shard = FP32 * _fsdp_gather(shapes, n) // n
@@ -326,6 +332,20 @@ def test_single_device_ledger_and_estimate() -> None:
     assert got.model_states == pytest.approx(predicted.model_states, rel=ESTIMATE_RTOL)
 
 
+def test_peak_growth_sees_a_transient_allocation() -> None:
+    cpu = torch.device("cpu")
+    if allocated_bytes(cpu) is None:
+        pytest.skip("no glibc mallinfo2 on this platform")
+
+    def transient() -> None:
+        t = torch.ones(10_000_000)  # 40 MB, alive for >= 20 ms: 100x the sampling period
+        time.sleep(0.02)
+        del t
+
+    # Slack: the interpreter and the sampling thread allocate a little too.
+    assert 40_000_000 <= peak_growth(cpu, transient) < 40_000_000 + 4 * 2**20
+
+
 def test_views_of_one_buffer_count_once_and_hooks_add_categories() -> None:
     flat = torch.zeros(10)
     model = nn.Module()
@@ -380,3 +400,49 @@ def test_estimator_cli_prints_every_strategy(capsys: pytest.CaptureFixture) -> N
     for name in estimate.STRATEGIES:
         assert f"| {name} |" in out
     assert "1,557.69 M parameters" in out
+
+
+# ------------------------------------------------------------------ benchmark smoke test
+
+
+def _benchmark(rank: int, world_size: int, out: str) -> Any:
+    """``example/benchmark.py`` minus torchrun: 1 warm-up + 1 measured + 1 probe step each."""
+    from example import benchmark
+    from tiny_fsdp.core.utils.dist import DistEnv
+
+    args = benchmark.parse_args(
+        ["--model", "gpt2_tiny", "--steps", "1", "--warmup", "1", "--seq_len", "8"]
+        + ["--data", "random", "--out", out]
+    )
+    env = DistEnv(rank, rank, world_size, torch.device("cpu"))
+    batches = benchmark.load_batches(args, make_model().config.vocab_size)
+    results, _ = benchmark.run_phases(args, env, batches, lambda: make_model(args.seed))
+    if rank != 0:
+        return None
+    with torch.device("meta"):
+        estimates = estimate_model(make_model(), world_size)
+    predicted = {k: max(r.model_states for r in v) for k, v in estimates.items()}
+    rows = benchmark.summarize(results, 2 * 8 * world_size, predicted)
+    return rows, benchmark.markdown_table(rows), benchmark.plot(rows, out)
+
+
+def test_benchmark_runs_every_strategy_and_reports(tmp_path) -> None:
+    rows, table, plots = run_distributed(_benchmark, 2, str(tmp_path))[0]
+    assert list(rows) == [name for phase in PHASES for name in phase]
+    single = rows["single_device"]["losses"]
+    for name, row in rows.items():
+        assert f"| {name} |" in table
+        assert len(row["losses"]) == 3 and row["median"] > 0
+        # Same batches and initial weights: every strategy follows one device to float32
+        # summation-order noise (see tests/parity.py), 3 steps of Adam at lr 3e-4.
+        assert max(abs(a - b) for a, b in zip(row["losses"], single)) < 1e-4, name
+        assert row["peak"] is not None and row["peak"] > 0
+        if row["predicted"] is not None:  # our strategies: ledger within 5% of the formula
+            states = sum(row["memory"][k] for k in ("params", "grads", "optimizer"))
+            assert states == pytest.approx(row["predicted"], rel=ESTIMATE_RTOL), name
+    # Our traffic is the exact ledger; PyTorch's is counted where Python can see it.
+    assert rows["ddp"]["comm"]["all_reduce"][0] == 1
+    assert set(rows["torch_fsdp2"]["comm"]) == {"all_gather", "reduce_scatter"}
+    assert rows["torch_zero"]["comm"]["broadcast"][0] > 0
+    for path in plots:
+        assert path.endswith(".png") and (tmp_path / path.split("/")[-1]).stat().st_size > 0

@@ -4,6 +4,7 @@ Distributed checks run in ``run_distributed`` workers (module-level ``_..._worke
 and loop over several configurations per call to keep the suite fast.
 """
 
+import contextlib
 import copy
 import gc
 from typing import Any, Dict, List, Set, Tuple
@@ -324,14 +325,17 @@ def _check_bytes(
     optimizer = OPTIMIZERS["adamw"][0][stage](model.named_parameters(), lr=ADAM_LR)
     n_params = sum(p.numel() for p in model.parameters())  # tied weight once
     padding = model.layout.padding()
+    params = _storages(*[p.data for p in model.parameters()])
     peak = [0]
 
     def after_our_hook(param: nn.Parameter) -> None:  # registered later: runs after ours
-        assert stage == 1 or param.grad is None, "ZeRO-2 must release param.grad"
-        peak[0] = max(peak[0], _held_bytes(model, optimizer)["grads"])
+        assert param.grad is None, "ZeRO-2 must release param.grad"
+        held = _storages(model, *[p.grad for p in model.parameters()])
+        peak[0] = max(peak[0], sum(v for k, v in held.items() if k not in params))
 
-    for p in model.parameters():
-        p.register_post_accumulate_grad_hook(after_our_hook)
+    if stage == 2:
+        for p in model.parameters():
+            p.register_post_accumulate_grad_hook(after_our_hook)
     LEDGER.reset()
     x, y = (local_slice(t, rank, world_size) for t in _xy(0, 2 * world_size))
     lm_loss(model(x), y).backward()
@@ -389,7 +393,7 @@ def _no_sync_worker(rank: int, world_size: int) -> None:
                 x, y = _xy(step * micro_steps + micro, rows)
                 lm_loss(reference(x), y).backward()  # accumulates over the micro-batches
                 last = micro == micro_steps - 1
-                with model.no_sync() if not last else torch.enable_grad():
+                with contextlib.nullcontext() if last else model.no_sync():
                     loss = lm_loss(
                         model(local_slice(x, rank, world_size)), local_slice(y, rank, world_size)
                     )

@@ -20,11 +20,22 @@ included), and a tied parameter counts once. Call it after ``optimizer.step()`` 
 ``zero_grad()``: that is when gradients and optimizer state both exist.
 
 Transient memory (gathered parameters, activations, staging buffers of one backward) is not model
-state and is not counted; the benchmark measures it as peak memory minus this ledger.
+state and is not counted here; ``peak_growth`` measures it.
+
+[Note: allocation meters]
+``allocated_bytes(device)`` is what is allocated now: the CUDA caching allocator's count, or on
+CPU glibc's in-use heap (``mallinfo2``: small chunks + mmapped chunks, so memory the allocator
+caches after ``free`` does not count, unlike RSS). ``peak_growth(device, fn)`` is the highest
+value above the start while ``fn`` runs: CUDA's peak statistics, or on CPU a thread sampling
+every 0.2 ms (a spike shorter than that can be missed). Both are per process, so they see every
+tensor and buffer, also those of PyTorch's own strategies that the ledger cannot reach.
 """
 
+import ctypes
+import threading
+import time
 from dataclasses import asdict, dataclass
-from typing import Callable, Dict, Iterable, Iterator, List, Optional, Sequence, Set, Tuple
+from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional, Sequence, Set, Tuple
 
 import torch
 from torch import nn
@@ -162,3 +173,64 @@ def _adapters() -> List[Tuple[type, Callable[[nn.Module], ExtraTensors]]]:
     from tiny_fsdp.core.zero import ZeroWrapper
 
     return [(DDP, _ddp_extra), (ZeroWrapper, _zero_extra)]
+
+
+# ------------------------------------------------------------------ allocation meters
+
+
+class _MallInfo2(ctypes.Structure):
+    _fields_ = [(n, ctypes.c_size_t) for n in "arena ordblks smblks hblks hblkhd usmblks "
+                "fsmblks uordblks fordblks keepcost".split()]  # fmt: skip
+
+
+try:
+    _LIBC: Optional[ctypes.CDLL] = ctypes.CDLL("libc.so.6")
+    _LIBC.mallinfo2.restype = _MallInfo2
+except (OSError, AttributeError):  # not glibc >= 2.33: no CPU figures
+    _LIBC = None
+
+
+def allocated_bytes(device: torch.device) -> Optional[int]:
+    """Bytes allocated now on ``device`` ([Note: allocation meters]); None if unknown."""
+    if device.type == "cuda":
+        return torch.cuda.memory_allocated(device)
+    if device.type != "cpu" or _LIBC is None:
+        return None
+    info = _LIBC.mallinfo2()
+    return info.uordblks + info.hblkhd
+
+
+def peak_growth(device: torch.device, fn: Callable[[], Any]) -> Optional[int]:
+    """Run ``fn``; return the highest ``allocated_bytes`` above its start value meanwhile."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        base = torch.cuda.memory_allocated(device)
+        fn()
+        torch.cuda.synchronize(device)
+        return torch.cuda.max_memory_allocated(device) - base
+    base = allocated_bytes(device)
+    if base is None:
+        fn()
+        return None
+    peak, done = [base], threading.Event()
+
+    def sample() -> None:
+        while not done.is_set():
+            peak[0] = max(peak[0], allocated_bytes(device))
+            time.sleep(0.0002)
+
+    sampler = threading.Thread(target=sample, daemon=True)
+    sampler.start()
+    try:
+        fn()
+    finally:
+        done.set()
+        sampler.join()
+    return max(peak[0], allocated_bytes(device)) - base
+
+
+def trim_heap() -> None:
+    """Give the CPU heap's free memory back to the OS (glibc), so RSS shows what is in use."""
+    if _LIBC is not None:
+        _LIBC.malloc_trim(0)

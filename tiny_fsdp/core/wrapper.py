@@ -9,26 +9,48 @@ forwards calls to it, and exposes the switches users know from PyTorch DDP / FSD
 - ``enable_async_communication`` (bool): overlap communication with computation (prefetch /
   asynchronous reductions). Results are identical on and off.
 - ``gradient_checkpointing`` (bool): recompute each block in backward (forwarded to the model).
+- ``mixed_precision`` (``MixedPrecisionPolicy`` or None): layers compute in the policy's dtype,
+  parameters stay fp32 masters ([Note: mixed precision]); floating inputs are cast on entry.
+  ``half()`` / ``bfloat16()`` / ``double()`` / ``to(dtype)`` raise and point to the policy.
 
 ``state_dict()`` / ``load_state_dict()`` use the plain model's keys and full tensors.
 """
 
 import contextlib
-from typing import Any, Iterator
+from typing import Any, Iterator, Optional
 
+import torch
 from torch import nn
 
 from tiny_fsdp.core.module import convert_module
+from tiny_fsdp.core.precision import (
+    MixedPrecisionPolicy,
+    check_master_dtypes,
+    low_precision_error,
+    register_input_cast,
+)
 from tiny_fsdp.core.utils.dist import require_process_group
 
 
 class DataParallelWrapper(nn.Module):
     """Base class of ``DDP``, ``Zero1``, ``Zero2``, ``Zero3`` and ``FSDP`` model wrappers."""
 
-    def __init__(self, module: nn.Module, enable_async_communication: bool = False) -> None:
+    def __init__(
+        self,
+        module: nn.Module,
+        enable_async_communication: bool = False,
+        mixed_precision: Optional[MixedPrecisionPolicy] = None,
+    ) -> None:
         require_process_group(type(self).__name__)
         super().__init__()
+        if mixed_precision is not None and not isinstance(mixed_precision, MixedPrecisionPolicy):
+            raise TypeError(
+                f"mixed_precision must be a MixedPrecisionPolicy or None, got {mixed_precision!r}"
+            )
         self.module = convert_module(module)
+        check_master_dtypes(self.module, mixed_precision)
+        self.mixed_precision = mixed_precision
+        register_input_cast(self.module, mixed_precision)  # hooks the inner model: every forward
         self.require_backward_grad_sync = True
         self.enable_async_communication = enable_async_communication
 
@@ -56,3 +78,20 @@ class DataParallelWrapper(nn.Module):
                 f"{type(self.module).__name__} has no 'gradient_checkpointing' attribute to set"
             )
         self.module.gradient_checkpointing = value
+
+    # A wrapper's parameters are fp32 masters tied to the strategy's buffers: casting them in
+    # place would silently break both. Mixed precision is a policy, not a cast.
+    def half(self) -> "DataParallelWrapper":
+        raise low_precision_error(f"{type(self).__name__}.half()")
+
+    def bfloat16(self) -> "DataParallelWrapper":
+        raise low_precision_error(f"{type(self).__name__}.bfloat16()")
+
+    def double(self) -> "DataParallelWrapper":
+        raise low_precision_error(f"{type(self).__name__}.double()")
+
+    def to(self, *args: Any, **kwargs: Any) -> "DataParallelWrapper":
+        _, dtype, _, _ = torch._C._nn._parse_to(*args, **kwargs)
+        if dtype is not None:
+            raise low_precision_error(f"{type(self).__name__}.to({dtype})")
+        return super().to(*args, **kwargs)

@@ -1,7 +1,8 @@
 """Flat gradient buckets: many parameters' gradients averaged over ranks by one all-reduce.
 
 [Note: gradient bucket layout]
-A bucket owns one flat buffer of its parameters' dtype, on their device::
+A bucket owns one flat buffer of its parameters' dtype (or the mixed-precision policy's
+``reduce_dtype``: gradients are then rounded to it on the way in and back), on their device::
 
     buffer = [ grad(p0) | grad(p1) | ... | grad(pk-1) | flag(p0) ... flag(pk-1) ]
                numel(p0)  numel(p1)        numel(pk-1)  k elements
@@ -28,13 +29,19 @@ from tiny_fsdp.core import comm
 
 
 class GradBucket:
-    """The gradients of ``params`` (one device and dtype) in one flat buffer.
+    """The gradients of ``params`` (one device and dtype) in one flat buffer of ``dtype``
+    (default: the parameters' dtype).
 
     ``buffer``: (sum of numels + len(params),); ``views[i]``: parameter ``i``'s gradient slot,
     shaped like the parameter; ``flags``: (len(params),), see [Note: gradient bucket layout].
     """
 
-    def __init__(self, params: Sequence[nn.Parameter], world_size: int) -> None:
+    def __init__(
+        self,
+        params: Sequence[nn.Parameter],
+        world_size: int,
+        dtype: Optional[torch.dtype] = None,
+    ) -> None:
         if not params:
             raise ValueError("a gradient bucket needs at least one parameter")
         first = params[0]
@@ -43,7 +50,8 @@ class GradBucket:
         self.params: List[nn.Parameter] = list(params)
         self.world_size = world_size
         total = sum(p.numel() for p in self.params)
-        self.buffer = torch.zeros(total + len(self.params), dtype=first.dtype, device=first.device)
+        dtype = first.dtype if dtype is None else dtype
+        self.buffer = torch.zeros(total + len(self.params), dtype=dtype, device=first.device)
         self.views: List[torch.Tensor] = []
         offset = 0
         for p in self.params:
@@ -110,7 +118,7 @@ class GradBucket:
             if global_flags is None:
                 global_flags = self.flags.tolist()
             if global_flags[slot] > 0:
-                p.grad = self.views[slot].clone()
+                p.grad = self.views[slot].to(p.dtype, copy=True)
         self.reset()
 
     def reset(self) -> None:
@@ -122,13 +130,17 @@ class GradBucket:
 
 
 def build_buckets(
-    params: Sequence[nn.Parameter], bucket_cap_bytes: int, world_size: int
+    params: Sequence[nn.Parameter],
+    bucket_cap_bytes: int,
+    world_size: int,
+    dtype: Optional[torch.dtype] = None,
 ) -> List[GradBucket]:
     """Group ``params`` into buckets of at most ``bucket_cap_bytes`` of gradients each.
 
     Parameters are taken in REVERSE order (backward produces the last layers' gradients first),
     a bucket holds one (device, dtype), and a parameter larger than the cap gets its own bucket.
     The returned order is the launch order, identical on every rank given identical ``params``.
+    ``dtype``: the buffers' dtype (mixed precision's ``reduce_dtype``), else the parameters'.
     """
     open_buckets = {}  # (device, dtype) -> [params, bytes] of the bucket being filled
     order: List[list] = []  # every bucket's [params, bytes], in creation (= launch) order
@@ -141,4 +153,4 @@ def build_buckets(
             order.append(current)
         current[0].append(p)
         current[1] += size
-    return [GradBucket(members, world_size) for members, _ in order]
+    return [GradBucket(members, world_size, dtype) for members, _ in order]

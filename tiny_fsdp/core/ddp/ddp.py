@@ -37,7 +37,7 @@ supported (``GPT2Model`` checkpoints with ``use_reentrant=False``).
 """
 
 import weakref
-from typing import Any, Callable, List, Mapping
+from typing import Any, Callable, List, Mapping, Optional
 
 import torch
 import torch.distributed as dist
@@ -45,6 +45,8 @@ from torch import nn
 
 from tiny_fsdp.core import comm
 from tiny_fsdp.core.ddp.bucket import GradBucket, build_buckets
+from tiny_fsdp.core.module import CallbackModule
+from tiny_fsdp.core.precision import MixedPrecisionHandler, MixedPrecisionPolicy
 from tiny_fsdp.core.wrapper import DataParallelWrapper
 
 # Set on every parameter of a DDP-wrapped module: a weak reference to the wrapper.
@@ -67,6 +69,10 @@ class DDP(DataParallelWrapper):
         bucket_cap_mb: maximum gradient bytes (MiB) per all-reduce bucket.
         enable_async_communication: overlap bucket all-reduces with backward (see
             [Note: DDP backward]); False reduces the same buckets at the end of backward.
+        mixed_precision: layers compute with ``param_dtype`` copies of the fp32 parameters
+            (``MixedPrecisionHandler``) and the buckets are of ``reduce_dtype``, so the
+            all-reduced bytes halve with bf16; ``param.grad`` stays fp32 ([Note: mixed
+            precision]).
 
     ``state_dict()`` / ``load_state_dict()`` use the plain model's keys (no ``module.`` prefix).
     """
@@ -76,8 +82,9 @@ class DDP(DataParallelWrapper):
         module: nn.Module,
         bucket_cap_mb: float = 25.0,
         enable_async_communication: bool = False,
+        mixed_precision: Optional[MixedPrecisionPolicy] = None,
     ) -> None:
-        super().__init__(module, enable_async_communication)
+        super().__init__(module, enable_async_communication, mixed_precision)
         if not bucket_cap_mb > 0:
             raise ValueError(f"bucket_cap_mb must be positive, got {bucket_cap_mb}")
         params = list(self.module.parameters())  # deduplicated: a tied parameter appears once
@@ -92,9 +99,15 @@ class DDP(DataParallelWrapper):
         self.bucket_cap_mb = bucket_cap_mb
         self.world_size = dist.get_world_size()
         trainable = [p for p in params if p.requires_grad]  # frozen parameters take no part
+        reduce_dtype = None if mixed_precision is None else mixed_precision.reduce_dtype
         self.buckets: List[GradBucket] = build_buckets(
-            trainable, int(bucket_cap_mb * 2**20), self.world_size
+            trainable, int(bucket_cap_mb * 2**20), self.world_size, reduce_dtype
         )
+        if mixed_precision is not None:
+            handler = MixedPrecisionHandler(mixed_precision)
+            for layer in self.module.modules():
+                if isinstance(layer, CallbackModule):
+                    layer.param_handler = handler
         self._next_launch = 0  # buckets before this index are launched in this backward
         self._backward_active = False  # a synchronised backward is in progress
 

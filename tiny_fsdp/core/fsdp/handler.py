@@ -14,7 +14,8 @@ shards]).
   buffer instead, and the next synchronised backward reduces the total.
 
 Gradients of one dtype are reduced in one collective per layer (one per tensor with
-``unit="tensor"``).
+``unit="tensor"``); a parameter that several layers of the unit share is reduced once, by the
+unit ([Note: tied reduction]).
 """
 
 from typing import Dict, List, Optional, Tuple
@@ -42,9 +43,12 @@ class FSDPHandler(ParamHandler):
         self.name = type(module).__name__
         self.n_slots = len(module.param_names)
         groups: Dict[object, List[Tuple[int, torch.dtype]]] = {}
+        self._tied: Dict[int, nn.Parameter] = {}  # slot -> parameter reduced by unit.tied
         for slot, name in enumerate(module.param_names):
             param = getattr(module, name)
-            if param is not None:
+            if param is not None and param in unit.tied:
+                self._tied[slot] = param
+            elif param is not None:
                 key = len(groups) if per_tensor else param.dtype
                 groups.setdefault(key, []).append((slot, param.dtype))
         # Reduction groups: slots whose gradients share one reduce-scatter, and its dtype.
@@ -65,6 +69,9 @@ class FSDPHandler(ParamHandler):
     def reduce_grads(self, module: nn.Module, grads: Params) -> Params:
         world, state = self.state.world_size, self.state
         local: List[Optional[torch.Tensor]] = [None] * self.n_slots
+        for slot, param in self._tied.items():
+            if grads[slot] is not None:
+                local[slot] = self.unit.tied.add(param, grads[slot])
         for index, (group_slots, dtype) in enumerate(self.groups):
             members: List[Member] = [
                 (slot, self._infos[slot]) for slot in group_slots if grads[slot] is not None

@@ -19,11 +19,14 @@ from tiny_fsdp.core.optim import SGD, AdamW, BaseOptimizer
 class _ShardUpdates(BaseOptimizer):
     """Mixin: reject non-shards at construction; feed the rule the real rows of each shard."""
 
+    grads_are_sharded = True  # each rank yields its own rows: clip_grad_norm_ sums over ranks
+
     def add_param_group(self, param_group: Dict[str, Any]) -> None:
         super().add_param_group(param_group)
         group = self.param_groups[-1]
         for name, param in zip(group["param_names"], group["params"]):
             if shard_info(param) is None:
+                self.param_groups.pop()  # leave the optimizer as it was
                 raise TypeError(
                     f"{type(self).__name__} got parameter '{name}' (shape {tuple(param.shape)}) "
                     "that is not an FSDP shard: wrap the model with FSDP(model) first and pass "

@@ -72,6 +72,8 @@ class FSDPState:
 
     # ---------------------------------------------------------------- passes
     def begin_forward(self, grad_enabled: bool) -> None:
+        for unit in self.units:
+            unit.tied.check_complete()
         self.drop_transients()
         self._in_forward = True
         self._grad_forward = grad_enabled

@@ -77,6 +77,14 @@ class ZeroWrapper(DataParallelWrapper):
 
     All trainable parameters must share one dtype and device. ``state_dict()`` /
     ``load_state_dict()`` use the plain model's keys and full tensors.
+
+    Attributes:
+        params: the trainable parameters in layout order (backward order; tied ones once).
+        layout: their ``FlatLayout``; ``owned_pieces``: layout index -> this rank's ``Piece``.
+        param_buffer: ``FlatBuffer`` (numel,) whose views are the parameters' ``.data``.
+        grad_buffer: ZeRO-1's ``FlatBuffer`` of gradients (None for ZeRO-2).
+        grad_shard: ZeRO-2's reduced gradient shard (shard_numel,) (None for ZeRO-1).
+        grads_reduced: a synchronised backward reduced gradients not cleared since.
     """
 
     stage: int = 0
@@ -131,8 +139,7 @@ class ZeroWrapper(DataParallelWrapper):
         else:
             self.grad_buffer = None
             self.grad_shard = torch.zeros(self.layout.shard_numel, dtype=dtype, device=device)
-        self._staging: List[Optional[torch.Tensor]] = [None] * len(self.layout.buckets)
-        self.grads_reduced = False  # a synchronised backward reduced grads not cleared since
+        self.grads_reduced = False
         self._optimizers: "weakref.WeakSet[Any]" = weakref.WeakSet()
         self._reset_backward_state()
 
@@ -158,7 +165,7 @@ class ZeroWrapper(DataParallelWrapper):
         self._fired = [False] * len(self.params)
         self._next_launch = 0
         self._pending: List[Tuple[Any, int]] = []  # (PendingReduce, bucket) in flight
-        self._staging = [None] * len(self.layout.buckets)
+        self._staging: List[Optional[torch.Tensor]] = [None] * len(self.layout.buckets)
 
     def _on_grad_ready(self, index: int, param: nn.Parameter) -> None:
         if not self._backward_active:

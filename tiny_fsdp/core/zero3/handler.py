@@ -18,6 +18,11 @@ once) adds its gradient to a full-size buffer kept here per parameter, and retur
 synchronised backward reduces buffer + gradient. Memory cost: one full gradient per parameter
 touched in ``no_sync``, on every rank, i.e. the whole model's gradients, as in DDP.
 
+Mixed precision ([Note: mixed precision]): the owner broadcasts a ``param_dtype`` copy of its
+fp32 tensor (received buffers are ``param_dtype``: half the bytes with bf16), the gradient is
+reduced in ``reduce_dtype`` and autograd accumulates the owner's result into the fp32
+``param.grad``. The ``no_sync`` buffer is kept in the parameter's dtype (fp32), like ``.grad``.
+
 [Note: zero3 prefetch]
 A *pass* starts at ``Zero3.forward`` and covers every fetch until the next one (forward, then
 backward, including the forward recomputation of gradient checkpointing). The first pass of
@@ -41,6 +46,7 @@ from torch import nn
 from tiny_fsdp.core import comm
 from tiny_fsdp.core.module import ParamHandler
 from tiny_fsdp.core.module.handler import Params
+from tiny_fsdp.core.precision import MixedPrecisionPolicy
 
 ATTR = "_tiny_fsdp_zero3"  # name of the TensorInfo attribute put on each managed Parameter
 
@@ -56,7 +62,8 @@ class TensorInfo:
 
 @dataclass
 class FetchStats:
-    """Bytes of fetched (non-owned) parameter buffers alive now and at most, on this rank."""
+    """Bytes of fetched parameter buffers alive now and at most, on this rank: the received
+    (non-owned) ones, and under mixed precision the owner's cast copies too."""
 
     live_bytes: int = 0
     peak_bytes: int = 0
@@ -90,10 +97,17 @@ class _Fetch:
 class Zero3Runtime:
     """State shared by all layer handlers of one ``Zero3`` model ([Note: zero3 prefetch])."""
 
-    def __init__(self, rank: int, world_size: int, prefetch_depth: int) -> None:
+    def __init__(
+        self,
+        rank: int,
+        world_size: int,
+        prefetch_depth: int,
+        policy: Optional[MixedPrecisionPolicy] = None,
+    ) -> None:
         self.rank = rank
         self.world_size = world_size
         self.prefetch_depth = prefetch_depth
+        self.policy = policy
         self.stats = FetchStats()
         self.sync_grads = True  # set per pass from require_backward_grad_sync
         self.accumulated: Dict[int, torch.Tensor] = {}  # id(param) -> no_sync gradient sum
@@ -147,19 +161,23 @@ class Zero3Runtime:
         owner = getattr(param, ATTR).owner
         if not self.sync_grads:
             total = self.accumulated.get(id(param))
-            if total is None:
-                self.accumulated[id(param)] = grad.clone()
+            if total is None:  # in the parameter's dtype: fp32 under mixed precision, as .grad
+                self.accumulated[id(param)] = grad.to(param.dtype, copy=True)
             else:
                 total.add_(grad)
             return None
         accumulated = self.accumulated.pop(id(param), None)
         if accumulated is not None:
             grad = accumulated.add_(grad)
+        reduce_dtype = grad.dtype if self.policy is None else self.policy.reduce_dtype
         if self.world_size == 1:
-            return grad
+            return grad.to(reduce_dtype)
         # Pre-divide, then SUM: an average on every backend. Out of place unless the tensor is
         # our own buffer: the callback's gradient may share storage with something else.
-        total = grad.div_(self.world_size) if accumulated is not None else grad / self.world_size
+        if accumulated is not None and grad.dtype == reduce_dtype:
+            total = grad.div_(self.world_size)
+        else:
+            total = grad.to(reduce_dtype) / self.world_size
         comm.reduce(total, dst=owner)
         return total if owner == self.rank else None
 
@@ -199,10 +217,14 @@ class Zero3Handler(ParamHandler):
                 params.append(None)
                 continue
             info: TensorInfo = getattr(local, ATTR)
-            if info.owner == rt.rank:
+            dtype = local.dtype if rt.policy is None else rt.policy.param_dtype
+            if info.owner == rt.rank and dtype == local.dtype:
                 full = local.detach()  # the owner computes with its own tensor
             else:
-                full = torch.empty(info.shape, dtype=local.dtype, device=local.device)
+                if info.owner == rt.rank:  # mixed precision: the owner sends a cast copy
+                    full = local.detach().to(dtype)
+                else:
+                    full = torch.empty(info.shape, dtype=dtype, device=local.device)
                 rt.stats.add(full)
                 nbytes += full.numel() * full.element_size()
             if rt.world_size > 1:

@@ -20,6 +20,9 @@ from tiny_fsdp.core.zero3.handler import ATTR, TensorInfo
 class _Zero3Params:
     """Mixin: checks every group against the table; ``step`` updates owned tensors only."""
 
+    # Each rank updates only its owned tensors ([Note: clipping over shards]).
+    grads_are_sharded = True
+
     def __init__(
         self,
         params: Any,

@@ -27,6 +27,7 @@ from torch.nn.modules.module import _IncompatibleKeys
 
 from tiny_fsdp.core import comm
 from tiny_fsdp.core.module import CallbackModule
+from tiny_fsdp.core.precision import MixedPrecisionPolicy
 from tiny_fsdp.core.wrapper import DataParallelWrapper
 from tiny_fsdp.core.zero3.handler import ATTR, FetchStats, TensorInfo, Zero3Handler, Zero3Runtime
 
@@ -47,6 +48,9 @@ class Zero3(DataParallelWrapper):
         prefetch_depth: how many layers ahead async communication fetches (>= 1).
         sync_module_states: broadcast every tensor from rank 0 first (normal models only), so
             ranks built with different seeds cannot disagree.
+        mixed_precision: owners broadcast ``param_dtype`` copies and gradients are reduced in
+            ``reduce_dtype``; owned tensors, ``.grad`` and optimizer state stay fp32 ([Note:
+            mixed precision]).
     """
 
     def __init__(
@@ -57,8 +61,9 @@ class Zero3(DataParallelWrapper):
         *,
         prefetch_depth: int = 2,
         sync_module_states: bool = False,
+        mixed_precision: Optional[MixedPrecisionPolicy] = None,
     ) -> None:
-        super().__init__(module, enable_async_communication)
+        super().__init__(module, enable_async_communication, mixed_precision)
         if prefetch_depth < 1:
             raise ValueError(f"prefetch_depth must be >= 1, got {prefetch_depth}")
         rank, world_size = dist.get_rank(), dist.get_world_size()
@@ -66,7 +71,7 @@ class Zero3(DataParallelWrapper):
         check_table(param_part_table, named, world_size, "Zero3")
         self.param_part_table = param_part_table
         self.device = _choose_device(param_part_table, named, rank)  # move inputs here
-        self._runtime = Zero3Runtime(rank, world_size, prefetch_depth)
+        self._runtime = Zero3Runtime(rank, world_size, prefetch_depth, mixed_precision)
         self._materialize(named, self.device, sync_module_states)
         for layer in self.module.modules():
             if isinstance(layer, CallbackModule):

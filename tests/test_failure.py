@@ -1,0 +1,373 @@
+"""Specification of failure handling: no rank ever waits forever for a rank that failed.
+
+Inside ``fail_fast`` ([Note: fail fast]):
+
+- a rank that raises in the middle of forward or backward makes every other rank raise
+  ``PeerFailureError`` naming it and its error; whoever fails (rank 0 hosts the store),
+  whatever the strategy and the world size (with 4 ranks some never talk to the failed one);
+- when the failed process exits (a real job), the others stop at once, long before the
+  collective timeout; when it lives on (the test harness keeps its workers), at the timeout;
+- a rank that is stuck (no exception) is named as unresponsive once the timeout passes;
+- an error that every rank raises stays each rank's own error, not a PeerFailureError.
+
+The example trainer (``@fail_fast`` on ``main``): launched as N processes, every rank exits
+non-zero naming the failed rank, in seconds; under torchrun, torchrun exits non-zero. With
+``--on_nonfinite skip`` a NaN on one rank skips that step on every rank; with ``error`` (the
+default) training stops with a message naming the step.
+
+Faults are injected by hooks on the GPT-2 blocks at forward number ``FAIL_STEP`` of one rank:
+in block 1's forward, or in the backward reaching block 0's output (after the later layers
+already reduced their gradients). This file is also the trainer tests' entry point (``__main__``).
+"""
+
+import os
+import re
+import socket
+import subprocess
+import sys
+import time
+import uuid
+from typing import Callable, List, Optional, Tuple
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from tests.harness import DistributedRunError, run_distributed
+from tests.parity import global_batch, lm_loss, local_slice, make_model
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+FAIL_STEP = 2
+# Harness workers live on after a failure, so there the peers learn it at the collective timeout.
+TIMEOUT_S = 2.0
+GRACE_S = 2.0
+# Slack on top of the expected wait: 3 steps of gpt2_tiny take < 1 s, handling a failure a few
+# store round trips; the rest covers 4 processes sharing 2 cores.
+SLACK_S = 15.0
+# The trainer runs with a collective timeout far above the bound it must meet: meeting the bound
+# proves that the failure travelled through closed connections, not through the timeout.
+TRAINER_TIMEOUT_S = 300.0
+TRAINER_BOUND_S = 60.0  # process start-up (torch import) included
+
+
+class InjectedFailure(RuntimeError):
+    pass
+
+
+def _install_fault(model: torch.nn.Module, fault: str, step: int) -> None:
+    """At forward number ``step`` of ``model`` (wrapper or GPT2Model): ``forward`` raises in
+    block 1's forward, ``hang`` sleeps there, ``backward`` raises when backward reaches block 0's
+    output, ``nan`` makes block 1's output (hence loss and gradients) NaN."""
+    blocks = getattr(model, "module", model).transformer.h
+    calls = {"n": -1}
+
+    def count(module, args):
+        calls["n"] += 1
+
+    def in_forward(module, args, output):
+        if calls["n"] != step:
+            return None
+        if fault == "nan":
+            return output * float("nan")
+        if fault == "hang":
+            time.sleep(60)  # stuck (e.g. a deadlock): longer than timeout + grace
+        raise InjectedFailure(f"injected failure in forward of step {step}")
+
+    def in_backward(module, args, output):
+        if calls["n"] == step:
+
+            def boom(grad):
+                raise InjectedFailure(f"injected failure in backward of step {step}")
+
+            output.register_hook(boom)
+
+    blocks[0].register_forward_pre_hook(count)
+    if fault == "backward":
+        blocks[0].register_forward_hook(in_backward)
+    else:
+        blocks[1].register_forward_hook(in_forward)
+
+
+# ------------------------------------------------------------------ rank side (harness)
+
+
+def _build(strategy: str, world_size: int) -> Tuple[torch.nn.Module, torch.optim.Optimizer]:
+    from tiny_fsdp.core import DDP, FSDP, Zero2, Zero2AdamW, Zero3, Zero3AdamW
+    from tiny_fsdp.core.ddp import DDPAdamW
+    from tiny_fsdp.core.fsdp import FSDPAdamW
+    from tiny_fsdp.core.zero3 import zero3_partition_tensors
+
+    model = make_model()
+    if strategy == "fsdp":
+        wrapped = FSDP(model)
+        return wrapped, FSDPAdamW(wrapped.named_parameters(), lr=1e-3)
+    if strategy == "zero3":
+        parts, _ = zero3_partition_tensors(dict(model.named_parameters()), ["cpu"] * world_size)
+        wrapped = Zero3(model, parts)
+        named = wrapped.module.named_parameters()
+        return wrapped, Zero3AdamW(named, lr=1e-3, param_part_table=parts)
+    if strategy == "zero2":
+        wrapped = Zero2(model)
+        return wrapped, Zero2AdamW(wrapped.named_parameters(), lr=1e-3)
+    wrapped = DDP(model)
+    return wrapped, DDPAdamW(wrapped.named_parameters(), lr=1e-3)
+
+
+def _train_with_fault(
+    rank: int, world_size: int, strategy: str, fault: str, failing_rank: int, call_id: str
+) -> None:
+    """Train until the fault; then every rank re-raises what it got, the failing rank last.
+
+    The harness reports only the ranks that fail within 0.5 s of the first one, so the failing
+    rank (whose error comes first) waits until the others have theirs before re-raising.
+    """
+    from tiny_fsdp.core.utils.failure import PeerFailureError, fail_fast
+
+    store = dist.distributed_c10d._get_default_store()
+    peers_done = [f"{call_id}/{r}" for r in range(world_size) if r != failing_rank]
+    try:
+        with fail_fast(timeout_s=TIMEOUT_S, grace_s=GRACE_S):
+            model, optimizer = _build(strategy, world_size)
+            if rank == failing_rank:
+                _install_fault(model, fault, FAIL_STEP)
+            for step in range(FAIL_STEP + 1):
+                x, y = global_batch(step, 2 * world_size, 8, model.module.config.vocab_size)
+                x, y = local_slice(x, rank, world_size), local_slice(y, rank, world_size)
+                lm_loss(model(x), y).backward()
+                optimizer.step()
+                optimizer.zero_grad(set_to_none=True)
+    except PeerFailureError:
+        store.set(f"{call_id}/{rank}", "done")
+        raise
+    except InjectedFailure:
+        if fault != "hang" and peers_done:
+            store.wait(peers_done)
+        raise
+
+
+def _noop(rank: int, world_size: int) -> None:
+    pass
+
+
+def _failure_errors(fn: Callable, world_size: int, *args) -> Tuple[dict, float]:
+    """Run ``fn``, expecting every rank to fail; return (rank -> traceback text, seconds)."""
+    run_distributed(_noop, world_size)  # a warm pool: start-up is not part of the measure
+    start = time.monotonic()
+    with pytest.raises(DistributedRunError) as info:
+        run_distributed(fn, world_size, *args, timeout=60.0)
+    return info.value.errors, time.monotonic() - start
+
+
+def _peer_message(rank: int, failed: int, fault: str) -> str:
+    return (
+        f"PeerFailureError: rank {rank} stopped because rank {failed} failed: InjectedFailure: "
+        f"injected failure in {fault} of step {FAIL_STEP}"
+    )
+
+
+# ------------------------------------------------------------------ tests (harness)
+
+
+@pytest.mark.parametrize(
+    "strategy, fault, world_size, failing_rank",
+    [
+        ("fsdp", "backward", 4, 1),
+        ("fsdp", "forward", 3, 0),  # rank 0 hosts the store: it must outlive the others' reads
+        ("zero3", "forward", 3, 2),
+        ("ddp", "backward", 2, 1),
+        ("zero2", "backward", 2, 0),
+    ],
+)
+def test_a_rank_raising_mid_step_stops_every_rank_naming_it(
+    strategy: str, fault: str, world_size: int, failing_rank: int
+) -> None:
+    call_id = f"test_failure/{uuid.uuid4().hex}"
+    errors, elapsed = _failure_errors(
+        _train_with_fault, world_size, strategy, fault, failing_rank, call_id
+    )
+    assert sorted(errors) == list(range(world_size)), errors.keys()  # nobody hangs or succeeds
+    own = f"InjectedFailure: injected failure in {fault} of step {FAIL_STEP}"
+    assert own in errors[failing_rank] and "PeerFailureError" not in errors[failing_rank]
+    for rank in range(world_size):
+        if rank != failing_rank:
+            assert _peer_message(rank, failing_rank, fault) in errors[rank], errors[rank]
+    assert TIMEOUT_S <= elapsed < TIMEOUT_S + SLACK_S
+
+
+def test_a_stuck_rank_is_named_as_unresponsive_after_the_timeout() -> None:
+    errors, elapsed = _failure_errors(_train_with_fault, 3, "fsdp", "hang", 1, "unused")
+    assert 1 not in errors  # still sleeping when the others gave up (the harness kills it)
+    for rank in (0, 2):
+        assert re.search(
+            rf"PeerFailureError: rank {rank} stopped because rank\(s\) \[1\] stopped responding",
+            errors[rank],
+        ), errors[rank]
+    assert TIMEOUT_S <= elapsed < TIMEOUT_S + GRACE_S + SLACK_S
+
+
+def _every_rank_raises(rank: int, world_size: int) -> None:
+    from tiny_fsdp.core.utils.failure import fail_fast
+
+    with fail_fast(timeout_s=TIMEOUT_S, grace_s=GRACE_S):
+        dist.all_reduce(torch.ones(1))
+        raise ValueError(f"bad config seen by rank {rank}")
+
+
+def test_an_error_raised_by_every_rank_stays_each_ranks_own() -> None:
+    errors, elapsed = _failure_errors(_every_rank_raises, 2)
+    for rank in range(2):
+        assert f"ValueError: bad config seen by rank {rank}" in errors[rank]
+        assert "PeerFailureError" not in errors[rank]
+    assert elapsed < TIMEOUT_S  # nobody waited for a collective: nothing was pending
+
+
+def _nonfinite_flags(rank: int, world_size: int) -> List[List[int]]:
+    from tiny_fsdp.core.utils.failure import ranks_with_nonfinite
+
+    cases = [
+        [1.0, torch.tensor(2.0)],  # finite everywhere
+        [float("nan") if rank == 1 else 1.0],  # NaN loss on rank 1 only
+        [1.0, torch.tensor(float("inf") if rank == world_size - 1 else 0.0)],  # inf grad norm
+    ]
+    return [ranks_with_nonfinite(values) for values in cases]
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_every_rank_agrees_on_which_ranks_saw_a_nonfinite_value(world_size: int) -> None:
+    results = run_distributed(_nonfinite_flags, world_size)
+    assert results == [[[], [1], [world_size - 1]]] * world_size
+
+
+def test_without_a_process_group_fail_fast_is_transparent() -> None:
+    from tiny_fsdp.core.utils.failure import fail_fast, ranks_with_nonfinite
+
+    if dist.is_initialized():
+        pytest.skip("another test initialised a process group in the pytest process")
+    with pytest.raises(KeyError, match="plain error"):
+        with fail_fast(timeout_s=1.0):
+            raise KeyError("plain error")
+    assert ranks_with_nonfinite([1.0, torch.tensor([0.5, float("nan")])]) == [0]
+    assert ranks_with_nonfinite([1.0, torch.zeros(3)]) == []
+
+
+# ------------------------------------------------------------------ the example trainer
+
+
+def _trainer_args(data: str, *extra: str) -> List[str]:
+    return ["--model", "gpt2_bytes", "--data", data, "--tokenizer", "byte", "--seq_len", "16",
+            "--batch_size", "2", "--steps", "4", "--lr", "1e-3", "--log_every", "1",
+            "--device", "cpu", "--timeout_s", str(TRAINER_TIMEOUT_S), *extra]  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def text_file(tmp_path_factory) -> str:
+    """~40 KB of English (this file's source): enough windows for a few steps."""
+    path = tmp_path_factory.mktemp("data") / "text.txt"
+    with open(__file__) as f:
+        path.write_text(f.read() * 2)
+    return str(path)
+
+
+def _launch(nproc: int, argv: List[str], torchrun: bool = False) -> Tuple[list, float, str]:
+    """Run ``python tests/test_failure.py argv`` on ``nproc`` ranks: [(returncode, out, err)]
+    per process (one entry for torchrun), wall seconds, and the launch description."""
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=ROOT, GLOO_SOCKET_IFNAME="lo")
+    script = [os.path.join("tests", "test_failure.py"), *argv]
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = str(s.getsockname()[1])
+    if torchrun:
+        cmds = [[sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc),
+                 "--master_addr", "127.0.0.1", "--master_port", port, *script]]  # fmt: skip
+        envs = [env]
+    else:
+        cmds = [[sys.executable, *script]] * nproc
+        envs = [dict(env, RANK=str(r), LOCAL_RANK=str(r), WORLD_SIZE=str(nproc),
+                     MASTER_ADDR="127.0.0.1", MASTER_PORT=port) for r in range(nproc)]  # fmt: skip
+    start = time.monotonic()
+    procs = [
+        subprocess.Popen(
+            c, cwd=ROOT, env=e, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+        )
+        for c, e in zip(cmds, envs)
+    ]
+    try:
+        outs = [p.communicate(timeout=TRAINER_TIMEOUT_S / 2) for p in procs]
+    finally:
+        for p in procs:
+            p.kill()
+    results = [(p.returncode, out, err) for p, (out, err) in zip(procs, outs)]
+    return results, time.monotonic() - start, " ".join(cmds[0])
+
+
+def test_trainer_every_rank_exits_naming_the_failed_rank_in_seconds(text_file: str) -> None:
+    argv = ["fsdp", "backward", "1", str(FAIL_STEP), *_trainer_args(text_file)]
+    results, elapsed, what = _launch(3, argv)
+    codes = [code for code, _, _ in results]
+    assert codes[1] != 0 and f"injected failure in backward of step {FAIL_STEP}" in results[1][2]
+    for rank in (0, 2):
+        assert codes[rank] != 0, (what, results[rank])
+        assert _peer_message(rank, 1, "backward") in results[rank][2], results[rank][2][-3000:]
+    assert elapsed < TRAINER_BOUND_S
+
+
+def test_torchrun_exits_non_zero_when_a_rank_fails(text_file: str) -> None:
+    argv = ["zero3", "forward", "0", str(FAIL_STEP), *_trainer_args(text_file)]
+    [(code, out, err)], elapsed, what = _launch(2, argv, torchrun=True)
+    assert code != 0, (what, out, err)
+    assert f"InjectedFailure: injected failure in forward of step {FAIL_STEP}" in err
+    assert "ChildFailedError" in err  # torchrun's own summary of the failed workers
+    assert elapsed < TRAINER_BOUND_S
+
+
+def _logged(out: str) -> List[Tuple[int, float, str]]:
+    """(step, loss, rest of the line) of every step line the trainer printed."""
+    lines = re.findall(r"step\s+(\d+) \| loss ([0-9.a-z]+) \|(.*)", out)
+    return [(int(step), float(loss), rest) for step, loss, rest in lines]
+
+
+def test_trainer_skips_a_nonfinite_step_on_every_rank(text_file: str) -> None:
+    argv = ["zero2", "nan", "1", "1", *_trainer_args(text_file, "--on_nonfinite", "skip")]
+    results, _, what = _launch(2, argv)
+    assert [code for code, _, _ in results] == [0, 0], (what, results)
+    logged = _logged(results[0][1])
+    assert [step for step, _, _ in logged] == [0, 1, 2, 3]
+    # Rank 0's own numbers were finite: it skipped because rank 1 saw a NaN. ZeRO-2's step
+    # all-gathers parameters, so a rank stepping alone would have hung or crashed the others.
+    assert "skipped: non-finite on rank(s) [1]" in logged[1][2]
+    assert all("skipped" not in rest for step, _, rest in logged if step != 1)
+    assert all(loss == loss and loss < 10 for step, loss, _ in logged if step != 1)
+
+
+def test_trainer_stops_at_a_nonfinite_step_by_default(text_file: str, capsys) -> None:
+    from tiny_fsdp.core.utils.failure import NonFiniteError
+
+    argv = ["single_device", "nan", "0", "1", *_trainer_args(text_file)]
+    with pytest.raises(NonFiniteError, match=r"step 1: non-finite loss or gradients on "
+                       r"rank\(s\) \[0\].*--on_nonfinite skip"):  # fmt: skip
+        _trainer_with_fault(argv)
+    assert len(_logged(capsys.readouterr().out)) == 1  # step 0 only: step 1 stopped training
+
+
+def _trainer_with_fault(argv: List[str]) -> Optional[List[float]]:
+    """``<strategy> <fault> <rank> <step> <trainer args...>``: the trainer, with a fault."""
+    strategy, fault, failing_rank, step, *trainer_argv = argv
+    from example import trainer
+
+    build = trainer.build_strategy
+
+    def build_with_fault(name, make_model, args, env):
+        model, optimizer = build(name, make_model, args, env)
+        if env.rank == int(failing_rank):
+            _install_fault(model, fault, int(step))
+        return model, optimizer
+
+    trainer.build_strategy = build_with_fault
+    try:
+        return trainer.main(strategy, trainer_argv)
+    finally:
+        trainer.build_strategy = build
+
+
+if __name__ == "__main__":
+    _trainer_with_fault(sys.argv[1:])

@@ -1,0 +1,300 @@
+"""Training features x every strategy, each against single-device training with the same feature.
+
+Features: gradient accumulation (``no_sync``), gradient clipping (``clip_grad_norm_``), gradient
+checkpointing, asynchronous communication, mixed precision (bf16 policy) and ``model.half()``.
+Strategies: single device (``convert_module`` + our optimizer), DDP, ZeRO-1, ZeRO-2, ZeRO-3,
+FSDP. Every rank also trains the single-device reference on the whole global batch, so one
+``run_distributed`` call checks all strategies of a feature.
+"""
+
+from collections import OrderedDict
+from typing import Callable, Dict, Optional, Tuple
+
+import pytest
+import torch
+from torch import nn
+
+from example.model import GPTConfigs
+from tests.harness import run_distributed
+from tests.parity import PARAM_ATOL, global_batch, lm_loss, local_slice, make_model
+from tiny_fsdp.core import comm
+from tiny_fsdp.core.module import convert_module
+from tiny_fsdp.core.optim import AdamW
+from tiny_fsdp.core.precision import MixedPrecisionPolicy, apply_mixed_precision
+
+STRATEGIES = ["single", "ddp", "zero1", "zero2", "zero3", "fsdp"]
+DISTRIBUTED = STRATEGIES[1:]
+LR = 1e-3
+CONFIG = GPTConfigs.gpt2_tiny
+BATCH_PER_RANK, SEQ = 2, 8
+BF16 = MixedPrecisionPolicy(torch.bfloat16)
+PARAM_KINDS = ("all_gather", "broadcast")  # collectives that move parameters in a step
+GRAD_KINDS = ("all_reduce", "reduce_scatter", "reduce")  # ... and gradients
+
+# fp32 strategy vs fp32 single device: summation order only (see tests/parity.py).
+LOSS_ATOL = 1e-5
+# bf16 strategy vs bf16 single device, 4 steps, lr 1e-3: gradients are averaged in bf16 (one
+# rounding of 2^-9 relative per reduction, absent on one device) and, for ZeRO-1/2, tied and
+# accumulated gradients add in bf16 parameter-dtype .grad; Adam turns relative gradient noise
+# into update noise of order lr. Measured: losses within 3e-3, parameters within 4e-3 (= 4 lr).
+BF16_LOSS_ATOL = 1e-2
+BF16_PARAM_ATOL = 1e-2
+
+
+# ---------------------------------------------------------------------------------- builders
+
+
+def build(
+    strategy: str,
+    model: nn.Module,
+    world_size: int,
+    policy: Optional[MixedPrecisionPolicy] = None,
+    async_comm: bool = False,
+) -> Tuple[nn.Module, torch.optim.Optimizer]:
+    """(wrapped model, its AdamW) for ``strategy``; the optimizer uses lr ``LR``."""
+    kw = {"enable_async_communication": async_comm}
+    if policy is not None:
+        kw["mixed_precision"] = policy
+    if strategy == "single":
+        model = convert_module(model)
+        if policy is not None:
+            apply_mixed_precision(model, policy)
+        return model, AdamW(model.named_parameters(), lr=LR)
+    if strategy == "ddp":
+        from tiny_fsdp.core.ddp import DDP, DDPAdamW
+
+        wrapped = DDP(model, **kw)
+        return wrapped, DDPAdamW(wrapped.named_parameters(), lr=LR)
+    if strategy in ("zero1", "zero2"):
+        from tiny_fsdp.core import zero
+
+        stage = strategy[-1]
+        wrapped = getattr(zero, f"Zero{stage}")(model, **kw)
+        return wrapped, getattr(zero, f"Zero{stage}AdamW")(wrapped.named_parameters(), lr=LR)
+    if strategy == "zero3":
+        from tiny_fsdp.core.zero3 import Zero3, Zero3AdamW, zero3_partition_tensors
+
+        parts, _ = zero3_partition_tensors(
+            OrderedDict(model.named_parameters()), ["cpu"] * world_size
+        )
+        wrapped = Zero3(model, parts, **kw)
+        named = wrapped.module.named_parameters()
+        return wrapped, Zero3AdamW(named, lr=LR, param_part_table=parts)
+    if strategy == "fsdp":
+        from tiny_fsdp.core.fsdp import FSDP, FSDPAdamW
+
+        wrapped = FSDP(model, **kw)
+        return wrapped, FSDPAdamW(wrapped.named_parameters(), lr=LR)
+    raise ValueError(strategy)
+
+
+def train(
+    strategy: str,
+    rank: int,
+    world_size: int,
+    steps: int,
+    *,
+    policy: Optional[MixedPrecisionPolicy] = None,
+    async_comm: bool = False,
+    grad_accum: int = 1,
+    clip: Optional[float] = None,
+    ckpt: bool = False,
+    on_step: Optional[Callable[[int], None]] = None,
+) -> Dict[str, object]:
+    """Train gpt2_tiny ``steps`` steps; return losses (rank mean), clip norms, full state dict.
+
+    The single-device run sees the whole global batch; the others their rank's slice. Each step
+    splits its batch into ``grad_accum`` micro-batches, the inner ones under ``no_sync()``.
+    """
+    single = strategy == "single"
+    model, optimizer = build(strategy, make_model(0, CONFIG), world_size, policy, async_comm)
+    model.gradient_checkpointing = ckpt
+    losses, norms = [], []
+    for step in range(steps):
+        x, y = global_batch(step, BATCH_PER_RANK * world_size * grad_accum, SEQ, CONFIG.vocab_size)
+        if not single:
+            x, y = local_slice(x, rank, world_size), local_slice(y, rank, world_size)
+        step_loss = torch.zeros(())
+        for micro, (xm, ym) in enumerate(zip(x.chunk(grad_accum), y.chunk(grad_accum))):
+            inner = micro < grad_accum - 1 and not single
+            with model.no_sync() if inner else _nothing():
+                loss = lm_loss(model(xm).float(), ym) / grad_accum
+                loss.backward()
+            step_loss += loss.detach()
+        if clip is not None:
+            norms.append(optimizer.clip_grad_norm_(clip).item())
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        if not single:
+            torch.distributed.all_reduce(step_loss)  # logging only: not counted in the ledger
+            step_loss /= world_size
+        losses.append(step_loss.item())
+        if on_step is not None:
+            on_step(step)
+    state = {k: v.detach().float().clone() for k, v in model.state_dict().items()}
+    return {"losses": losses, "norms": norms, "state": state}
+
+
+class _nothing:
+    def __enter__(self) -> None:
+        pass
+
+    def __exit__(self, *exc: object) -> None:
+        pass
+
+
+def assert_close_run(got: dict, want: dict, loss_atol: float, param_atol: float, what: str):
+    for step, (a, b) in enumerate(zip(got["losses"], want["losses"])):
+        assert abs(a - b) <= loss_atol, f"{what} step {step}: loss {a:.7f} vs {b:.7f}"
+    assert set(got["state"]) == set(want["state"]), what
+    for name, value in want["state"].items():
+        diff = (got["state"][name] - value).abs().max().item()
+        assert diff <= param_atol, f"{what}: parameter {name} differs by {diff:.3e}"
+
+
+def assert_identical_run(got: dict, want: dict, what: str) -> None:
+    assert got["losses"] == want["losses"], f"{what}: {got['losses']} vs {want['losses']}"
+    for name, value in want["state"].items():
+        assert torch.equal(got["state"][name], value), f"{what}: parameter {name} differs"
+
+
+# ---------------------------------------------------------------------------------- features
+
+
+def _check_grad_accum(rank: int, world_size: int) -> None:
+    """K=2 micro-batches: the same run as single-device K=2; inner micro-steps reduce nothing."""
+    reference = train("single", rank, world_size, steps=3, grad_accum=2)
+    for strategy in DISTRIBUTED:
+        # Count gradient collectives during the inner (no_sync) backward of every step.
+        model, optimizer = build(strategy, make_model(0, CONFIG), world_size)
+        x, y = global_batch(0, BATCH_PER_RANK * world_size, SEQ, CONFIG.vocab_size)
+        comm.LEDGER.reset()
+        with model.no_sync():
+            xs, ys = local_slice(x, rank, world_size), local_slice(y, rank, world_size)
+            lm_loss(model(xs), ys).backward()
+        inner = sum(comm.LEDGER.calls[k] for k in GRAD_KINDS)
+        assert inner == 0, f"{strategy}: {inner} gradient collectives inside no_sync()"
+        got = train(strategy, rank, world_size, steps=3, grad_accum=2)
+        assert_close_run(got, reference, LOSS_ATOL, PARAM_ATOL, f"{strategy} grad_accum=2")
+
+
+def _check_clipping(rank: int, world_size: int) -> None:
+    """``optimizer.clip_grad_norm_`` == ``torch.nn.utils.clip_grad_norm_`` on one device."""
+    max_norm = 0.05  # below the gradient norm of every step (asserted), so clipping acts
+    torch_model = make_model(0, CONFIG)
+    torch_opt = torch.optim.AdamW(torch_model.parameters(), lr=LR)
+    want = {"losses": [], "norms": []}
+    for step in range(3):
+        x, y = global_batch(step, BATCH_PER_RANK * world_size, SEQ, CONFIG.vocab_size)
+        loss = lm_loss(torch_model(x), y)
+        loss.backward()
+        want["norms"].append(torch.nn.utils.clip_grad_norm_(torch_model.parameters(), max_norm))
+        torch_opt.step()
+        torch_opt.zero_grad(set_to_none=True)
+        want["losses"].append(loss.item())
+    assert min(want["norms"]) > 2 * max_norm, "the test must really clip"
+    want["state"] = {k: v.detach().clone() for k, v in torch_model.state_dict().items()}
+    for strategy in STRATEGIES:
+        got = train(strategy, rank, world_size, steps=3, clip=max_norm)
+        # Norms: the same squares summed in another order (per shard, then across ranks).
+        torch.testing.assert_close(
+            torch.tensor(got["norms"]),
+            torch.stack(want["norms"]),
+            rtol=1e-5,
+            atol=0,
+            msg=lambda m: f"{strategy}: {m}",
+        )
+        assert_close_run(got, want, LOSS_ATOL, PARAM_ATOL, f"{strategy} clip={max_norm}")
+
+
+def _check_checkpointing(rank: int, world_size: int) -> None:
+    """Recomputing blocks changes no number; FSDP / ZeRO-3 gather the blocks' params again."""
+    blocks = make_model(0, CONFIG).transformer.h
+    block_layers = [m for m in blocks.modules() if isinstance(m, (nn.Linear, nn.LayerNorm))]
+    block_tensors = sum(len(list(m.parameters(recurse=False))) for m in block_layers)
+    # One all-gather per layer (FSDP's default unit) / one broadcast per tensor (ZeRO-3).
+    extra_fetches = {
+        "fsdp": ("all_gather", len(block_layers)),
+        "zero3": ("broadcast", block_tensors),
+    }
+    for strategy in STRATEGIES:
+        calls = {}
+        runs = {}
+        for ckpt in (False, True):
+
+            def count(step: int, ckpt: bool = ckpt) -> None:
+                calls.setdefault(ckpt, dict(comm.LEDGER.calls))
+
+            comm.LEDGER.reset()
+            runs[ckpt] = train(strategy, rank, world_size, steps=1, ckpt=ckpt, on_step=count)
+        # The same kernels on the same inputs: bitwise equal, not just close.
+        assert_identical_run(runs[True], runs[False], f"{strategy} gradient checkpointing")
+        for kind in GRAD_KINDS:
+            assert calls[True].get(kind, 0) == calls[False].get(kind, 0), (strategy, kind)
+        if strategy in extra_fetches:
+            kind, extra = extra_fetches[strategy]
+            got = calls[True].get(kind, 0) - calls[False].get(kind, 0)
+            assert got == extra, f"{strategy}: {got} extra {kind} with checkpointing, not {extra}"
+
+
+def _check_async(rank: int, world_size: int) -> None:
+    """``enable_async_communication`` on and off: bitwise identical runs (fp32 and bf16)."""
+    for strategy in DISTRIBUTED:
+        for policy in (None, BF16):
+            off = train(strategy, rank, world_size, steps=2, policy=policy, grad_accum=2)
+            on = train(strategy, rank, world_size, steps=2, policy=policy, grad_accum=2,
+                       async_comm=True)  # fmt: skip
+            assert_identical_run(on, off, f"{strategy} async on/off, policy {policy}")
+
+
+def _check_bf16(rank: int, world_size: int) -> None:
+    """bf16 runs follow single-device bf16; parameter and gradient bytes on the wire halve."""
+    reference = train("single", rank, world_size, steps=4, policy=BF16)
+    fp32_reference = train("single", rank, world_size, steps=4)
+    # bf16 really computes in bf16: its losses are not the fp32 ones.
+    assert reference["losses"][1:] != fp32_reference["losses"][1:]
+    for strategy in DISTRIBUTED:
+        got = train(strategy, rank, world_size, steps=4, policy=BF16)
+        assert_close_run(got, reference, BF16_LOSS_ATOL, BF16_PARAM_ATOL, f"{strategy} bf16")
+        payload = {}
+        for policy in (None, BF16):
+            comm.LEDGER.reset()
+            model, optimizer = build(strategy, make_model(0, CONFIG), world_size, policy)
+            x, y = global_batch(0, BATCH_PER_RANK * world_size, SEQ, CONFIG.vocab_size)
+            comm.LEDGER.reset()  # count one training step, not the wrap-time broadcasts
+            xs, ys = local_slice(x, rank, world_size), local_slice(y, rank, world_size)
+            lm_loss(model(xs).float(), ys).backward()
+            optimizer.step()
+            payload[policy] = dict(comm.LEDGER.payload_bytes)
+        for kinds in (PARAM_KINDS, GRAD_KINDS):
+            fp32 = sum(payload[None].get(k, 0) for k in kinds)
+            bf16 = sum(payload[BF16].get(k, 0) for k in kinds)
+            assert 2 * bf16 == fp32, f"{strategy} {kinds}: {bf16} bf16 bytes vs {fp32} fp32"
+        if strategy != "ddp":  # DDP moves no parameters during a step
+            assert sum(payload[None].get(k, 0) for k in PARAM_KINDS) > 0, strategy
+
+
+def _check_half_raises(rank: int, world_size: int) -> None:
+    """``.half()`` / ``.bfloat16()`` / ``.to(dtype)`` on a wrapper raise and name the policy."""
+    for strategy in DISTRIBUTED:
+        model, _ = build(strategy, make_model(0, CONFIG), world_size)
+        before = {k: v.clone() for k, v in model.state_dict().items()}
+        for cast in (lambda m: m.half(), lambda m: m.bfloat16(), lambda m: m.to(torch.float16)):
+            with pytest.raises(TypeError, match="MixedPrecisionPolicy"):
+                cast(model)
+        assert model.to("cpu") is model  # a device move without dtype is still allowed
+        after = model.state_dict()
+        assert all(torch.equal(before[k], after[k]) for k in before), strategy
+        with pytest.raises(ValueError, match="fp32 master"):  # a policy on a half model
+            build(strategy, make_model(0, CONFIG).bfloat16(), world_size, BF16)
+
+
+@pytest.mark.parametrize(
+    "check",
+    [_check_grad_accum, _check_clipping, _check_checkpointing, _check_async, _check_bf16,
+     _check_half_raises],  # fmt: skip
+    ids=lambda f: f.__name__[len("_check_") :],
+)
+@pytest.mark.parametrize("world_size", [2])
+def test_feature_every_strategy(check: Callable, world_size: int) -> None:
+    run_distributed(check, world_size, timeout=300.0)

@@ -1,0 +1,182 @@
+"""Mixed precision: compute and communicate in a low-precision dtype, keep fp32 master weights.
+
+[Note: mixed precision]
+A ``MixedPrecisionPolicy(param_dtype, reduce_dtype)`` given to a strategy wrapper means:
+
+- the parameters the module holds (full tensors, shards, owned tensors) stay in their own dtype
+  (fp32): they are the master weights, and the optimizer state built from them is fp32 too;
+- ``fetch`` hands the layer its parameters cast to ``param_dtype``, so the layer math (never
+  rewritten) runs in ``param_dtype``; floating-point model inputs are cast to ``param_dtype`` by
+  the wrapper, so activations and their gradients are ``param_dtype`` as well;
+- gradients come out of the layer in ``param_dtype``, are reduced across ranks in
+  ``reduce_dtype`` and autograd accumulates the result into the fp32 ``local_param.grad``
+  (autograd casts a gradient to its leaf's dtype), so tied weights and ``no_sync`` accumulation
+  add in fp32.
+
+Where the cast happens decides what travels: FSDP casts its shard before the all-gather and
+ZeRO-3's owner broadcasts a cast copy, so parameter bytes on the wire halve with bf16; DDP and
+ZeRO-3 reduce gradients of ``reduce_dtype``. ZeRO-1/2 already keep parameters in low precision
+with fp32 master shards in the optimizer, so there the policy casts the stored parameters to
+``param_dtype`` (``reduce_dtype`` must equal it). Compute the loss in fp32
+(``logits.float()``): a softmax over a large vocabulary in bf16 loses the small probabilities.
+
+Single device: ``apply_mixed_precision(model, policy)`` gives every layer a
+``MixedPrecisionHandler``: the same casts without communication, i.e. the reference that the
+distributed bf16 runs are compared with.
+"""
+
+from dataclasses import dataclass
+from typing import Any, Optional, Tuple
+
+import torch
+from torch import nn
+
+from tiny_fsdp.core.module.base import CallbackModule
+from tiny_fsdp.core.module.handler import ParamHandler, Params
+
+_LOW_PRECISION = (torch.float16, torch.bfloat16)
+_INPUT_HOOK_ATTR = "_tiny_fsdp_mp_input_hook"
+
+
+@dataclass(frozen=True)
+class MixedPrecisionPolicy:
+    """Dtypes of a mixed-precision run ([Note: mixed precision]).
+
+    Attributes:
+        param_dtype: dtype the layers compute with: parameters are cast to it when fetched
+            (before the all-gather / broadcast in sharded strategies); floating inputs too.
+        reduce_dtype: dtype in which gradients are averaged across ranks. ``None`` (default)
+            means ``param_dtype``. fp32 trades bandwidth for a more exact average.
+
+    Master weights, ``.grad`` and optimizer state always stay in the parameters' own dtype.
+    """
+
+    param_dtype: torch.dtype = torch.bfloat16
+    reduce_dtype: Optional[torch.dtype] = None
+
+    def __post_init__(self) -> None:
+        if self.reduce_dtype is None:
+            object.__setattr__(self, "reduce_dtype", self.param_dtype)  # frozen: set once here
+        for field_name in ("param_dtype", "reduce_dtype"):
+            value = getattr(self, field_name)
+            if not isinstance(value, torch.dtype) or not value.is_floating_point:
+                raise ValueError(
+                    f"MixedPrecisionPolicy.{field_name} must be a floating-point torch.dtype "
+                    f"(e.g. torch.bfloat16), got {value!r}"
+                )
+
+    @classmethod
+    def from_name(cls, name: str) -> Optional["MixedPrecisionPolicy"]:
+        """``"fp32"`` -> None (no policy); ``"bf16"`` / ``"fp16"`` -> that dtype everywhere."""
+        dtypes = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
+        if name not in dtypes:
+            raise ValueError(f"unknown precision {name!r}; choose one of {sorted(dtypes)}")
+        dtype = dtypes[name]
+        return None if dtype is None else cls(dtype, dtype)
+
+
+def cast_params(params: Params, dtype: torch.dtype) -> Params:
+    """``params`` cast to ``dtype`` (a tensor already of that dtype is returned as is)."""
+    return tuple(None if p is None else p.to(dtype) for p in params)
+
+
+def cast_grads(grads: Params, dtype: torch.dtype) -> Params:
+    """``grads`` cast to ``dtype`` (None entries stay None)."""
+    return tuple(None if g is None else g.to(dtype) for g in grads)
+
+
+def cast_inputs(args: Tuple[Any, ...], kwargs: dict, dtype: torch.dtype) -> Tuple[tuple, dict]:
+    """Floating-point tensors among ``args`` / ``kwargs`` (top level) cast to ``dtype``.
+
+    Integer inputs (token ids) are left alone; a layer whose input is already ``dtype`` gets it
+    unchanged. Without this, the first ``Linear`` of a model fed fp32 data would mix dtypes.
+    """
+
+    def cast(value: Any) -> Any:
+        if isinstance(value, torch.Tensor) and value.is_floating_point():
+            return value.to(dtype)
+        return value
+
+    return tuple(cast(a) for a in args), {k: cast(v) for k, v in kwargs.items()}
+
+
+class MixedPrecisionHandler(ParamHandler):
+    """Single-device mixed precision: cast copies in, gradients cast to ``reduce_dtype`` out.
+
+    ``fetch``: the layer's parameters cast to ``param_dtype`` (a fresh copy per call, dropped
+    after the callback). ``reduce_grads``: the ``param_dtype`` gradients cast to
+    ``reduce_dtype`` (nothing to reduce on one device); autograd accumulates them into the fp32
+    ``.grad``.
+    """
+
+    def __init__(self, policy: MixedPrecisionPolicy) -> None:
+        self.policy = policy
+
+    def fetch(self, module: nn.Module, phase: str) -> Params:
+        local = super().fetch(module, phase)
+        return cast_params(local, self.policy.param_dtype)
+
+    def reduce_grads(self, module: nn.Module, grads: Params) -> Params:
+        return cast_grads(grads, self.policy.reduce_dtype)
+
+
+def apply_mixed_precision(model: nn.Module, policy: MixedPrecisionPolicy) -> nn.Module:
+    """Single-device mixed precision on a converted model (``convert_module(model)``), in place.
+
+    Every layer wrapper gets a ``MixedPrecisionHandler`` (it must still have the default
+    single-device handler) and the root casts its floating inputs to ``policy.param_dtype``.
+    Parameters stay fp32: the optimizer (``tiny_fsdp.core.optim``) updates them as masters.
+    """
+    layers = [m for m in model.modules() if isinstance(m, CallbackModule)]
+    if not layers:
+        raise ValueError(
+            "apply_mixed_precision needs tiny_fsdp layers: call convert_module(model) first"
+        )
+    handler = MixedPrecisionHandler(policy)
+    for layer in layers:
+        if type(layer.param_handler) is not ParamHandler:
+            raise ValueError(
+                f"{type(layer).__name__} already has a {type(layer.param_handler).__name__}; "
+                "a strategy wrapper takes the policy itself (mixed_precision=...)"
+            )
+        layer.param_handler = handler
+    check_master_dtypes(model, policy)
+    register_input_cast(model, policy)
+    return model
+
+
+def register_input_cast(model: nn.Module, policy: Optional[MixedPrecisionPolicy]) -> None:
+    """Make ``model`` cast its floating inputs to ``policy.param_dtype`` (None: remove it)."""
+    previous = getattr(model, _INPUT_HOOK_ATTR, None)
+    if previous is not None:
+        previous.remove()
+        delattr(model, _INPUT_HOOK_ATTR)
+    if policy is None:
+        return
+
+    def cast_hook(module: nn.Module, args: tuple, kwargs: dict) -> Tuple[tuple, dict]:
+        return cast_inputs(args, kwargs, policy.param_dtype)
+
+    setattr(model, _INPUT_HOOK_ATTR, model.register_forward_pre_hook(cast_hook, with_kwargs=True))
+
+
+def check_master_dtypes(model: nn.Module, policy: Optional[MixedPrecisionPolicy]) -> None:
+    """Raise if a policy is given but the parameters are not fp32 masters (e.g. after .half())."""
+    if policy is None:
+        return
+    low = sorted({str(p.dtype) for p in model.parameters() if p.dtype in _LOW_PRECISION})
+    if low:
+        raise ValueError(
+            f"mixed precision keeps fp32 master weights, but the model has {low} parameters; "
+            "build it in fp32 (do not call .half() / .bfloat16()) and let the policy cast"
+        )
+
+
+def low_precision_error(what: str) -> TypeError:
+    """The error a strategy wrapper raises for ``.half()`` / ``.bfloat16()`` / ``.to(dtype)``."""
+    return TypeError(
+        f"{what} on a tiny_fsdp wrapper is not supported: casting the master weights would lose "
+        "them and desynchronise the strategy's buffers. Pass mixed_precision="
+        "MixedPrecisionPolicy(param_dtype=torch.bfloat16) (tiny_fsdp.core.precision) to the "
+        "wrapper instead: layers compute in bf16, weights and optimizer state stay fp32."
+    )
