@@ -28,7 +28,12 @@ from example.model import GPT2Model, GPTConfigs
 from example.strategies import STRATEGIES, build_strategy
 from example.tokenizer import get_tokenizer
 from tiny_fsdp.core.utils.dist import DistEnv, init_distributed
-from tiny_fsdp.core.utils.failure import NonFiniteError, fail_fast, ranks_with_nonfinite
+from tiny_fsdp.core.utils.failure import (
+    NonFiniteError,
+    describe_nonfinite,
+    fail_fast,
+    nonfinite_ranks,
+)
 
 
 def build_arg_parser(strategy: str) -> argparse.ArgumentParser:
@@ -172,28 +177,28 @@ def main(strategy: str, argv: Optional[List[str]] = None) -> List[float]:
             step_loss += loss.item()
         # The norm is computed with clipping off too: it is how inf / NaN gradients show.
         grad_norm = optimizer.clip_grad_norm_(args.grad_clip if args.grad_clip > 0 else math.inf)
-        bad_ranks = ranks_with_nonfinite([step_loss, grad_norm], env.device)  # same on all ranks
-        if bad_ranks and args.on_nonfinite == "error":
+        # The same answer on every rank, so that all stop or all skip the step.
+        nonfinite = nonfinite_ranks({"loss": step_loss, "grad norm": grad_norm}, env.device)
+        if nonfinite and args.on_nonfinite == "error":
             raise NonFiniteError(
-                f"step {step}: non-finite loss or gradients on rank(s) {bad_ranks} (this rank: "
-                f"loss {step_loss}, gradient norm {grad_norm.item()}); lower --lr, set "
+                f"step {step}: non-finite {describe_nonfinite(nonfinite)}; lower --lr, set "
                 "--grad_clip, check the data, or pass --on_nonfinite skip to skip such steps"
             )
-        if not bad_ranks:
+        if not nonfinite:
             optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         if env.device.type == "cuda":
             torch.cuda.synchronize(env.device)
         ms = (time.perf_counter() - t0) * 1e3
         losses.append(mean_over_ranks(step_loss, env))
-        if master and (step % args.log_every == 0 or step == args.steps - 1 or bad_ranks):
+        if master and (step % args.log_every == 0 or step == args.steps - 1 or nonfinite):
             mem = peak_memory_bytes(env.device) / 2**30
             line = (
                 f"step {step:5d} | loss {losses[-1]:.4f} | lr {lr_at(step, args):.2e} | "
                 f"{ms:8.1f} ms | {tokens_per_step / ms * 1e3:9.0f} tok/s | mem {mem:.2f} GiB"
             )
-            if bad_ranks:
-                line += f" | skipped: non-finite on rank(s) {bad_ranks}"
+            if nonfinite:
+                line += f" | step skipped: non-finite {describe_nonfinite(nonfinite)}"
             bar.set_postfix(loss=f"{losses[-1]:.4f}")
             tqdm.write(line, file=sys.stdout)
         if args.eval_every and (step + 1) % args.eval_every == 0:

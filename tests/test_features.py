@@ -132,7 +132,7 @@ def train(
         if on_step is not None:
             on_step(step)
     state = {k: v.detach().float().clone() for k, v in model.state_dict().items()}
-    return {"losses": losses, "norms": norms, "state": state}
+    return {"losses": losses, "norms": norms, "state": state, "model": model}
 
 
 class _nothing:
@@ -212,9 +212,12 @@ def _check_checkpointing(rank: int, world_size: int) -> None:
     blocks = make_model(0, CONFIG).transformer.h
     block_layers = [m for m in blocks.modules() if isinstance(m, (nn.Linear, nn.LayerNorm))]
     block_tensors = sum(len(list(m.parameters(recurse=False))) for m in block_layers)
-    # One all-gather per layer (FSDP's default unit) / one broadcast per tensor (ZeRO-3).
+    # Backward of a block's last layer reads its saved input first, which recomputes the block
+    # inside that backward: ZeRO-3 broadcasts every block tensor once more (one broadcast per
+    # tensor); FSDP gathers every block layer once more (one all-gather per layer, its default
+    # unit) except the last, whose recomputation finds the unit its backward holds.
     extra_fetches = {
-        "fsdp": ("all_gather", len(block_layers)),
+        "fsdp": ("all_gather", len(block_layers) - len(blocks)),
         "zero3": ("broadcast", block_tensors),
     }
     for strategy in STRATEGIES:
@@ -231,6 +234,8 @@ def _check_checkpointing(rank: int, world_size: int) -> None:
         assert_identical_run(runs[True], runs[False], f"{strategy} gradient checkpointing")
         for kind in GRAD_KINDS:
             assert calls[True].get(kind, 0) == calls[False].get(kind, 0), (strategy, kind)
+        if strategy == "zero3":  # every fetched buffer accounted as released again
+            assert runs[True]["model"].fetch_stats.live_bytes == 0
         if strategy in extra_fetches:
             kind, extra = extra_fetches[strategy]
             got = calls[True].get(kind, 0) - calls[False].get(kind, 0)

@@ -166,10 +166,9 @@ def _save_sharded(path, tag, adapter: Adapter, pieces, scalars, common) -> Tuple
             entry = tensors.setdefault(tid, {"shape": list(shape), "dtype": dtype, "pieces": []})
             entry["pieces"].append([name, ["pieces", key], start, stop])
         for param, values in rank_scalars:
-            for key in values:  # the first rank's value wins; they are equal
-                scalar_locations.setdefault(param, {}).setdefault(
-                    key, [name, ["scalars", param, key]]
-                )
+            for key in values:  # equal wherever present: the reader picks any copy
+                copies = scalar_locations.setdefault(param, {}).setdefault(key, [])
+                copies.append([name, ["scalars", param, key]])
     _check_cover(tensors)
     common_file = f"common-{tag}.pt"
     locations = {k: [common_file, [k]] for k in ("extra", "rng", "param_groups")}
@@ -214,7 +213,7 @@ def _save_full(path, tag, adapter: Adapter, pieces, scalars, common) -> Tuple[li
         fmt.remove_files(path, written)
         raise CheckpointError(message) from exc
     scalar_locations = {
-        param: {key: [name, ["optimizer", "state", param, key]] for key in values}
+        param: {key: [[name, ["optimizer", "state", param, key]]] for key in values}
         for param, values in merged.items()
     }
     for tid, entry in tensors.items():

@@ -217,8 +217,15 @@ class CheckpointReader:
             )
 
     def scalars(self, name: str) -> Dict[str, Any]:
-        """The scalar optimizer state of parameter ``name`` (e.g. AdamW's ``step``)."""
-        return {key: self.get(loc) for key, loc in self.scalar_locations.get(name, {}).items()}
+        """The scalar optimizer state of parameter ``name`` (e.g. AdamW's ``step``).
+
+        Every rank that held part of the parameter saved a copy; read one from a file already
+        open if possible, so that no file is opened for a scalar alone.
+        """
+        out = {}
+        for key, copies in self.scalar_locations.get(name, {}).items():
+            out[key] = self.get(next((c for c in copies if c[0] in self._open), copies[0]))
+        return out
 
     def state_keys(self, name: str) -> List[str]:
         """Elementwise optimizer state keys saved for parameter ``name``."""

@@ -226,24 +226,34 @@ class NonFiniteError(FloatingPointError):
     """A loss or gradient was inf or NaN; the message names the step and the ranks."""
 
 
-def ranks_with_nonfinite(
-    values: Sequence[Union[float, torch.Tensor]], device: Optional[torch.device] = None
-) -> List[int]:
-    """Ranks on which any of ``values`` (this rank's loss, gradient norm...) is inf or NaN.
+def nonfinite_ranks(
+    values: Dict[str, Union[float, torch.Tensor]], device: Optional[torch.device] = None
+) -> Dict[str, List[int]]:
+    """For each named value of this rank (its loss, its gradient norm...), the ranks on which it
+    holds an inf or NaN; only the names with at least one such rank (``{}``: all finite).
 
-    A collective when a process group is initialised (call it on every rank): one all-reduce
-    of a (world_size,) vector, so every rank gets the same list and takes the same decision
-    (e.g. every rank skips the step). Without a process group: ``[0]`` or ``[]``.
+    A collective when a process group is initialised (call it on every rank): one all-reduce of
+    a (len(values), world_size) flag matrix, so every rank gets the same answer and takes the
+    same decision (e.g. every rank skips the step). Without a process group this rank is rank 0.
     """
-    finite = all(bool(torch.isfinite(torch.as_tensor(v)).all()) for v in values)
-    if not (dist.is_available() and dist.is_initialized()):
-        return [] if finite else [0]
-    from tiny_fsdp.core import comm
+    names = list(values)
+    flags = [0.0 if bool(torch.isfinite(torch.as_tensor(values[n])).all()) else 1.0 for n in names]
+    if dist.is_available() and dist.is_initialized():
+        from tiny_fsdp.core import comm
 
-    flags = torch.zeros(dist.get_world_size(), device=device)  # (world_size,) 1 = non-finite
-    flags[dist.get_rank()] = 0.0 if finite else 1.0
-    comm.all_reduce(flags)
-    return [r for r, flag in enumerate(flags.tolist()) if flag > 0]
+        table = torch.zeros(len(names), dist.get_world_size(), device=device)  # (values, ranks)
+        table[:, dist.get_rank()] = torch.tensor(flags, device=device)
+        comm.all_reduce(table)
+        rows = table.tolist()
+    else:
+        rows = [[flag] for flag in flags]
+    bad = {n: [r for r, flag in enumerate(row) if flag > 0] for n, row in zip(names, rows)}
+    return {n: ranks for n, ranks in bad.items() if ranks}
+
+
+def describe_nonfinite(bad: Dict[str, List[int]]) -> str:
+    """In words: ``loss on rank(s) [1], grad norm on rank(s) [0, 1]``."""
+    return ", ".join(f"{name} on rank(s) {ranks}" for name, ranks in bad.items())
 
 
 def _mark(exc: BaseException) -> BaseException:

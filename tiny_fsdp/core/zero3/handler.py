@@ -117,7 +117,10 @@ class Zero3Runtime:
         self._off_script = False
         self._seen: List["Zero3Handler"] = []  # sequence of this pass
         self._in_flight: Dict[int, _Fetch] = {}  # position in the pass -> prefetch
-        self._in_use: Dict[int, _Fetch] = {}  # id(handler) -> fetch being computed with
+        # id(handler) -> fetches being computed with, innermost last. A layer can be fetched
+        # twice at once: its backward reads its saved input, which makes gradient checkpointing
+        # recompute the block, this layer's forward included, inside that backward.
+        self._in_use: Dict[int, List[_Fetch]] = {}
 
     def begin_pass(self, key: tuple, prefetch: bool, sync_grads: bool) -> None:
         """Start a pass of kind ``key``: close the previous one, pick this one's script."""
@@ -142,13 +145,15 @@ class Zero3Runtime:
             for ahead in range(pos + 1, min(pos + 1 + self.prefetch_depth, len(self._script))):
                 if ahead not in self._in_flight:
                     self._in_flight[ahead] = self._script[ahead].start_fetch(async_op=True)
-        self._in_use[id(handler)] = current
+        self._in_use.setdefault(id(handler), []).append(current)
         return current.wait()
 
     def release(self, handler: "Zero3Handler") -> None:
-        done = self._in_use.pop(id(handler), None)
-        if done is not None:
-            self.stats.live_bytes -= done.nbytes
+        stack = self._in_use.get(id(handler))
+        if stack:
+            self.stats.live_bytes -= stack.pop().nbytes
+            if not stack:
+                del self._in_use[id(handler)]
 
     def _drain(self) -> None:
         for pending in self._in_flight.values():
