@@ -41,7 +41,8 @@ def tensor_bytes(model: torch.nn.Module, optimizer: Any) -> int:
         tensors.append(getattr(buffer, "data", None))
     tensors.append(getattr(model, "grad_shard", None))
     tensors.append(getattr(optimizer, "_master_shard", None))
-    for state in optimizer.state.values():
+    # ZeroRedundancyOptimizer keeps its shard's state in the local optimizer it wraps.
+    for state in getattr(optimizer, "optim", optimizer).state.values():
         tensors += [v for v in state.values() if isinstance(v, torch.Tensor)]
     storages = {}
     for t in tensors:

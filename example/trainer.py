@@ -27,6 +27,7 @@ from example.data import TokenBatches, check_vocab, default_corpus_description, 
 from example.model import GPT2Model, GPTConfigs
 from example.strategies import STRATEGIES, build_strategy
 from example.tokenizer import get_tokenizer
+from tiny_fsdp.checkpoint import has_checkpoint, load_checkpoint, save_checkpoint
 from tiny_fsdp.core.utils.dist import DistEnv, init_distributed
 from tiny_fsdp.core.utils.failure import (
     NonFiniteError,
@@ -77,6 +78,16 @@ def build_arg_parser(strategy: str) -> argparse.ArgumentParser:
         default=300.0,
         help="a collective waiting this long for the other ranks raises",
     )
+    p.add_argument("--save_dir", default=None, help="checkpoint directory (replaced atomically)")
+    p.add_argument("--save_every", type=int, default=0, help="save every N steps and at the end")
+    p.add_argument(
+        "--resume",
+        nargs="?",
+        const="auto",
+        default=None,
+        help="resume from PATH; bare --resume: from --save_dir if it holds a checkpoint",
+    )
+    p.add_argument("--sharded_ckpt", action="store_true", help="each rank saves its own shard")
     if strategy == "zero3":
         p.add_argument("--evenness_priority", type=float, default=0.0)
     return p
@@ -158,9 +169,10 @@ def main(strategy: str, argv: Optional[List[str]] = None) -> List[float]:
             f"{tokens.numel():,} tokens ({tokenizer.name}) from {source}"
         )
 
+    start = _maybe_resume(model, optimizer, args, master)
     tokens_per_step = args.batch_size * args.seq_len * args.grad_accum * env.world_size
     losses: List[float] = []
-    bar = tqdm(range(args.steps), disable=not master, file=sys.stderr, dynamic_ncols=True)
+    bar = tqdm(range(start, args.steps), disable=not master, file=sys.stderr, dynamic_ncols=True)
     for step in bar:
         t0 = time.perf_counter()
         for group in optimizer.param_groups:
@@ -187,6 +199,15 @@ def main(strategy: str, argv: Optional[List[str]] = None) -> List[float]:
         if not nonfinite:
             optimizer.step()
         optimizer.zero_grad(set_to_none=True)
+        if (
+            args.save_dir
+            and args.save_every
+            and ((step + 1) % args.save_every == 0 or step + 1 == args.steps)
+        ):
+            # step + 1 steps done: the data position to resume from ((seed, step) -> batch).
+            save_checkpoint(
+                args.save_dir, model, optimizer, step=step + 1, sharded=args.sharded_ckpt
+            )
         if env.device.type == "cuda":
             torch.cuda.synchronize(env.device)
         ms = (time.perf_counter() - t0) * 1e3
@@ -208,6 +229,17 @@ def main(strategy: str, argv: Optional[List[str]] = None) -> List[float]:
     if env.world_size > 1 and dist.is_initialized() and "RANK" in os.environ:
         dist.destroy_process_group()
     return losses
+
+
+def _maybe_resume(model, optimizer, args: argparse.Namespace, master: bool) -> int:
+    """Load ``--resume`` (bare: ``--save_dir`` if it holds a checkpoint); the step to start at."""
+    path = args.save_dir if args.resume == "auto" else args.resume
+    if path is None or (args.resume == "auto" and not has_checkpoint(path)):
+        return 0
+    info = load_checkpoint(path, model, optimizer)
+    if master:
+        print(f"resumed from {path} at step {info['step']} ({info['kind']} checkpoint)")
+    return info["step"]
 
 
 def _count(config) -> str:

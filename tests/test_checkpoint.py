@@ -12,6 +12,7 @@
 """
 
 import dataclasses
+import io
 import json
 import os
 from typing import Any, Dict, List, Optional, Tuple
@@ -330,7 +331,12 @@ def test_checkpoint_of_another_model_is_refused(tmp_path) -> None:
 
 
 def _failing_save(original_save):
+    """``torch.save`` failing midway into real files (pickling a tensor also calls torch.save,
+    into a BytesIO: that must keep working, e.g. for ``all_gather_object``)."""
+
     def save(obj, f, *args, **kwargs):
+        if isinstance(f, io.BytesIO):
+            return original_save(obj, f, *args, **kwargs)
         f.write(b"half of a checkpoint")  # a partial file on disk, then the failure
         raise OSError("No space left on device (simulated)")
 

@@ -35,10 +35,17 @@ GRAD_KINDS = ("all_reduce", "reduce_scatter", "reduce")  # ... and gradients
 LOSS_ATOL = 1e-5
 # bf16 strategy vs bf16 single device, 4 steps, lr 1e-3: gradients are averaged in bf16 (one
 # rounding of 2^-9 relative per reduction, absent on one device) and, for ZeRO-1/2, tied and
-# accumulated gradients add in bf16 parameter-dtype .grad; Adam turns relative gradient noise
-# into update noise of order lr. Measured: losses within 3e-3, parameters within 4e-3 (= 4 lr).
-BF16_LOSS_ATOL = 1e-2
-BF16_PARAM_ATOL = 1e-2
+# accumulated gradients add in the bf16 parameters' .grad; Adam turns a relative gradient
+# difference into an update difference of order lr, and near-zero gradients (attention key bias)
+# into updates of size ~lr. Measured (DDP, ZeRO-3, FSDP): losses within 1.4e-4, parameters
+# within 3.0e-3 (= 3 lr).
+BF16_LOSS_ATOL = 1e-3
+BF16_PARAM_ATOL = 5e-3
+# bf16 vs fp32 loss curve, FSDP, 50 steps cycling 4 batches (fp32 falls 4.20 -> 3.72): bf16 has
+# 8 mantissa bits, so each forward is off by ~2^-9 relative; measured worst step 5.1e-4, mean
+# 1.7e-4. 1e-2 is 0.25 % of the loss, far below the 0.48 the curve falls.
+BF16_CURVE_ATOL = 1e-2
+BF16_CURVE_MIN_DROP = 0.3
 
 
 # ---------------------------------------------------------------------------------- builders
@@ -100,18 +107,21 @@ def train(
     clip: Optional[float] = None,
     ckpt: bool = False,
     on_step: Optional[Callable[[int], None]] = None,
+    n_batches: Optional[int] = None,
 ) -> Dict[str, object]:
     """Train gpt2_tiny ``steps`` steps; return losses (rank mean), clip norms, full state dict.
 
     The single-device run sees the whole global batch; the others their rank's slice. Each step
     splits its batch into ``grad_accum`` micro-batches, the inner ones under ``no_sync()``.
+    ``n_batches``: cycle through that many global batches (a loss curve that really falls).
     """
     single = strategy == "single"
     model, optimizer = build(strategy, make_model(0, CONFIG), world_size, policy, async_comm)
     model.gradient_checkpointing = ckpt
     losses, norms = [], []
     for step in range(steps):
-        x, y = global_batch(step, BATCH_PER_RANK * world_size * grad_accum, SEQ, CONFIG.vocab_size)
+        batch = step if n_batches is None else step % n_batches
+        x, y = global_batch(batch, BATCH_PER_RANK * world_size * grad_accum, SEQ, CONFIG.vocab_size)
         if not single:
             x, y = local_slice(x, rank, world_size), local_slice(y, rank, world_size)
         step_loss = torch.zeros(())
@@ -279,6 +289,15 @@ def _check_bf16(rank: int, world_size: int) -> None:
             assert sum(payload[None].get(k, 0) for k in PARAM_KINDS) > 0, strategy
 
 
+def _check_bf16_curve(rank: int, world_size: int) -> None:
+    """50 steps of FSDP in bf16 follow the fp32 loss curve (the sharded path with every cast)."""
+    fp32 = train("fsdp", rank, world_size, steps=50, n_batches=4)["losses"]
+    bf16 = train("fsdp", rank, world_size, steps=50, policy=BF16, n_batches=4)["losses"]
+    assert fp32[-1] < fp32[0] - BF16_CURVE_MIN_DROP, f"the curve must fall: {fp32[0]} -> {fp32[-1]}"
+    worst = max(abs(a - b) for a, b in zip(fp32, bf16))
+    assert worst <= BF16_CURVE_ATOL, f"bf16 loss curve off the fp32 one by {worst:.4f}"
+
+
 def _check_half_raises(rank: int, world_size: int) -> None:
     """``.half()`` / ``.bfloat16()`` / ``.to(dtype)`` on a wrapper raise and name the policy."""
     for strategy in DISTRIBUTED:
@@ -297,7 +316,7 @@ def _check_half_raises(rank: int, world_size: int) -> None:
 @pytest.mark.parametrize(
     "check",
     [_check_grad_accum, _check_clipping, _check_checkpointing, _check_async, _check_bf16,
-     _check_half_raises],  # fmt: skip
+     _check_bf16_curve, _check_half_raises],  # fmt: skip
     ids=lambda f: f.__name__[len("_check_") :],
 )
 @pytest.mark.parametrize("world_size", [2])

@@ -27,6 +27,7 @@ from tiny_fsdp.core.fsdp.handler import FSDPHandler
 from tiny_fsdp.core.fsdp.sharded_param import shard_info, shard_module
 from tiny_fsdp.core.fsdp.state import FSDPState
 from tiny_fsdp.core.fsdp.unit import GatherUnit, unit_layers
+from tiny_fsdp.core.precision import MixedPrecisionPolicy
 from tiny_fsdp.core.utils.dist import require_process_group
 from tiny_fsdp.core.wrapper import DataParallelWrapper
 
@@ -55,6 +56,9 @@ class FSDP(DataParallelWrapper):
         unit: what is all-gathered together: ``"layer"``, ``"tensor"``, or a list of modules
             (e.g. the transformer blocks; the other layers form a root unit). Gradients are
             reduce-scattered per layer (per tensor with ``"tensor"``). [Note: gather units]
+        mixed_precision: shards are cast to ``param_dtype`` before each all-gather (half the
+            gathered bytes with bf16) and gradients reduce-scattered in ``reduce_dtype``; the
+            shards, their ``.grad`` and the optimizer state stay fp32 ([Note: mixed precision]).
     """
 
     def __init__(
@@ -69,6 +73,7 @@ class FSDP(DataParallelWrapper):
         sync_module_states: bool = True,
         device: Optional[torch.device] = None,
         unit: Union[str, Iterable[nn.Module]] = "layer",
+        mixed_precision: Optional[MixedPrecisionPolicy] = None,
     ) -> None:
         require_process_group(type(self).__name__)
         world_size, rank = _check_group(world_size, rank)
@@ -76,7 +81,8 @@ class FSDP(DataParallelWrapper):
         self._state = FSDPState(
             world_size, rank, reshard_after_forward, enable_async_communication, prefetch_limit
         )
-        super().__init__(module, enable_async_communication)
+        super().__init__(module, enable_async_communication, mixed_precision)
+        self._state.policy = mixed_precision
         shard_module(self.module, rank, world_size, device, sync_module_states)
         per_tensor = isinstance(unit, str) and unit == "tensor"
         for name, layers in unit_layers(self.module, unit):

@@ -13,6 +13,10 @@ shards]).
   layers' parts). Under ``no_sync`` the padded full gradients are summed into a per-layer
   buffer instead, and the next synchronised backward reduces the total.
 
+Mixed precision: a synchronised backward lays the gradients out directly in the policy's
+``reduce_dtype``; ``no_sync`` sums are kept in the parameters' dtype (fp32, like ``.grad``) and
+cast once before their reduce-scatter.
+
 Gradients of one dtype are reduced in one collective per layer (one per tensor with
 ``unit="tensor"``); a parameter that several layers of the unit share is reduced once, by the
 unit ([Note: tied reduction]).
@@ -90,7 +94,9 @@ class FSDPHandler(ParamHandler):
                     )
                 buffer = previous[1]
             else:
-                buffer = grads[slots[0]].new_empty(world * numel, dtype=dtype)
+                sync = state.require_grad_sync
+                buffer_dtype = state.reduce_dtype(dtype) if sync else dtype  # no_sync: fp32 sum
+                buffer = grads[slots[0]].new_empty(world * numel, dtype=buffer_dtype)
             grid = buffer.view(world, numel)  # row r: what rank r's shards receive
             offset = 0
             for slot, info in members:
@@ -102,6 +108,7 @@ class FSDPHandler(ParamHandler):
                 self._acc[index] = (slots, buffer)
                 state.track_accumulated(_nbytes(buffer))
                 continue
+            buffer = buffer.to(state.reduce_dtype(dtype))  # no copy unless a no_sync fp32 sum
             buffer.div_(world)  # SUM of grad / world == average, on every backend
             reduced = buffer.new_empty(numel)  # (numel,): this rank's shards, concatenated
             comm.reduce_scatter(reduced, buffer)

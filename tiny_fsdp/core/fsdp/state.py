@@ -28,6 +28,10 @@ for its root).
 
 from typing import Any, Dict, List, Optional
 
+import torch
+
+from tiny_fsdp.core.precision import MixedPrecisionPolicy
+
 
 class FSDPState:
     """Switches and bookkeeping of one FSDP model; the units and handlers read and update it."""
@@ -48,6 +52,7 @@ class FSDPState:
         self.enable_async = enable_async
         self.prefetch_limit = prefetch_limit
         self.require_grad_sync = True
+        self.policy: Optional[MixedPrecisionPolicy] = None  # set by FSDP(mixed_precision=...)
         self.units: List[Any] = []  # every GatherUnit of the model
         self.forward_order: Optional[List[Any]] = None
         self.backward_order: List[Any] = []
@@ -61,6 +66,15 @@ class FSDPState:
         self.gathered_bytes = 0
         self.peak_gathered_bytes = 0
         self.accumulated_bytes = 0
+
+    # ---------------------------------------------------------------- mixed precision
+    def gather_dtype(self, dtype: torch.dtype) -> torch.dtype:
+        """dtype in which shards of ``dtype`` are all-gathered (and layers compute)."""
+        return dtype if self.policy is None else self.policy.param_dtype
+
+    def reduce_dtype(self, dtype: torch.dtype) -> torch.dtype:
+        """dtype in which gradients of parameters of ``dtype`` are reduce-scattered."""
+        return dtype if self.policy is None else self.policy.reduce_dtype
 
     # ---------------------------------------------------------------- memory counters
     def track_gathered(self, nbytes: int) -> None:

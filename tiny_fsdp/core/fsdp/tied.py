@@ -12,6 +12,9 @@ next passes add to it, like the per-layer accumulation buffers.
 Limit: if, in a pass, some user's backward does not run (its output did not reach the loss),
 the count is never completed and those contributions would be lost; the next forward raises
 instead of training on a silently wrong gradient.
+
+Mixed precision: the sum is kept in the parameter's dtype (fp32, as autograd would sum into
+``.grad``) and cast to the policy's ``reduce_dtype`` just before the reduce-scatter.
 """
 
 from typing import Dict, List, Optional, Sequence
@@ -46,7 +49,8 @@ class TiedReduction:
         info, world = shard_info(param), self.state.world_size
         entry = self._sums.get(id(param))
         if entry is None:
-            entry = self._sums[id(param)] = [grad.new_empty(world, info.shard_numel), 0]
+            entry = [grad.new_empty(world, info.shard_numel, dtype=param.dtype), 0]
+            self._sums[id(param)] = entry
             info.copy_in(grad, entry[0], accumulate=False)
             self.state.track_accumulated(_nbytes(entry[0]))
         else:
@@ -59,6 +63,7 @@ class TiedReduction:
             return None  # keep the sum: the next synchronised pass adds to it and reduces
         buffer = self._sums.pop(id(param))[0]
         self.state.track_accumulated(-_nbytes(buffer))
+        buffer = buffer.to(self.state.reduce_dtype(buffer.dtype))  # no copy without a policy
         buffer.div_(world)  # SUM of grad / world == average, on every backend
         reduced = buffer.new_empty(info.shard_numel)
         comm.reduce_scatter(reduced, buffer.view(-1))

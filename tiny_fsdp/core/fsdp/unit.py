@@ -91,6 +91,8 @@ class GatherUnit:
         for group in self.groups:
             shards = [param.detach().reshape(-1) for param in group]
             flat = shards[0] if len(shards) == 1 else torch.cat(shards)  # (group_numel,)
+            # Mixed precision: cast the shard, not the gathered tensor: half the bytes travel.
+            flat = flat.to(self.state.gather_dtype(flat.dtype))
             out = flat.new_empty(self.state.world_size * flat.numel())  # (world * group_numel,)
             work = comm.all_gather(out, flat, async_op=async_op)
             self.state.track_gathered(_nbytes(out))
