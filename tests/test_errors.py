@@ -6,7 +6,7 @@ that the others would wait in), or the job hangs instead of failing. Each distri
 on 2 gloo ranks and records what each rank raised; the tests compare.
 
 Some checks are still missing from the strategies; their cases are marked ``xfail(strict=True)``
-with the change they need (``LEAD_FIX_*`` below). Once the change lands the case passes, strict
+with the change they need (``MISSING_*`` below). Once the change lands the case passes, strict
 xfail reports it, and the marker must go.
 """
 
@@ -29,26 +29,27 @@ WORLD = 2
 CFG = GPTConfigs.gpt2_tiny
 Outcome = Optional[Tuple[str, str]]  # (exception type name, message), None if nothing raised
 
-LEAD_FIX_OPTIMIZER = (
-    "tiny_fsdp/core/optim/base.py: BaseOptimizer.add_param_group must reject parameters of "
-    "ZeRO-1/2, ZeRO-3 and FSDP models unless the optimizer is that strategy's (see report)"
+MISSING_OPTIMIZER_CHECK = (
+    "BaseOptimizer.add_param_group (tiny_fsdp/core/optim/base.py) must refuse parameters of "
+    "ZeRO-1/2, ZeRO-3 and FSDP models in a plain optimizer, naming the strategy's optimizer"
 )
-LEAD_FIX_META = (
-    "DDP.__init__ / ZeroWrapper.__init__: call tiny_fsdp.core.utils.dist.check_backend_device"
-    "(self.module.named_parameters(), name) before the first broadcast"
+MISSING_DEVICE_CHECK = (
+    "DDP.__init__ / ZeroWrapper.__init__ must call tiny_fsdp.core.utils.dist."
+    "check_backend_device on the module's parameters before their first broadcast"
 )
-LEAD_FIX_SAME_MODEL = (
-    "FSDP.__init__: check that every rank built the same model (as DDP's "
-    "_check_same_model_on_all_ranks) before shard_module"
+MISSING_SAME_MODEL_CHECK = (
+    "FSDP.__init__ must check, before shard_module, that every rank built the same model "
+    "(as DDP's _check_same_model_on_all_ranks)"
 )
-LEAD_FIX_TIED_TABLE = (
-    "zero3.check_table: accept a tied alias (lm_head.weight) with the owner of its tensor, and "
-    "name the tie when the owners differ"
+MISSING_TIED_TABLE_CHECK = (
+    "zero3 check_table must accept a tied alias (lm_head.weight) given the owner of its tensor, "
+    "and name the tie when the owners differ"
 )
-LEAD_FIX_ALIASED_STORAGE = (
-    "Zero1/Zero2/Zero3/FSDP.__init__: reject distinct parameters sharing storage (see report)"
+MISSING_SHARED_STORAGE_CHECK = (
+    "Zero1/Zero2/Zero3/FSDP.__init__ must refuse distinct parameters sharing storage, which "
+    "sharding would untie"
 )
-LEAD_FIX_SAME_TABLE = "Zero3.__init__: check that every rank passed the same partition table"
+MISSING_SAME_TABLE_CHECK = "Zero3.__init__ must check that every rank passed the same table"
 
 
 # ------------------------------------------------------------------ building blocks
@@ -261,7 +262,7 @@ EXPECTED: Dict[str, Tuple[type, str]] = {
     "pairing-AdamW-zero3": (ValueError, r"belongs to a Zero3.*use Zero3AdamW"),
     "pairing-AdamW-fsdp": (ValueError, r"belongs to an FSDP.*use FSDPAdamW"),
     **{
-        f"meta-{s}": (ValueError, r"'0.weight' is on the meta device.*use FSDP / Zero3")
+        f"meta-{s}": (ValueError, r"'transformer.wte.weight' is on the meta device.*FSDP / Zero3")
         for s in ["ddp", "zero1", "zero2"]
     },
     **{
@@ -282,11 +283,11 @@ EXPECTED: Dict[str, Tuple[type, str]] = {
     ),
 }
 XFAIL: Dict[str, str] = {
-    **{f"pairing-AdamW-{m}": LEAD_FIX_OPTIMIZER for m in ["zero1", "zero2", "zero3", "fsdp"]},
-    **{f"meta-{s}": LEAD_FIX_META for s in ["ddp", "zero1", "zero2"]},
-    **{f"aliased-{s}": LEAD_FIX_ALIASED_STORAGE for s in ["zero1", "zero2", "zero3", "fsdp"]},
-    "tied-table-same-owner": LEAD_FIX_TIED_TABLE,
-    "tied-table-other-owner": LEAD_FIX_TIED_TABLE,
+    **{f"pairing-AdamW-{m}": MISSING_OPTIMIZER_CHECK for m in ["zero1", "zero2", "zero3", "fsdp"]},
+    **{f"meta-{s}": MISSING_DEVICE_CHECK for s in ["ddp", "zero1", "zero2"]},
+    **{f"aliased-{s}": MISSING_SHARED_STORAGE_CHECK for s in ["zero1", "zero2", "zero3", "fsdp"]},
+    "tied-table-same-owner": MISSING_TIED_TABLE_CHECK,
+    "tied-table-other-owner": MISSING_TIED_TABLE_CHECK,
 }
 
 
@@ -341,40 +342,43 @@ def test_misuse_raises_a_clear_error_on_every_rank(case: str) -> None:
 # ------------------------------------------------------------------ cases that need their own call
 
 
-def _fsdp_with_another_model_per_rank(rank: int, world_size: int) -> List[Outcome]:
+def _fsdp_with_another_model_per_rank(rank: int, world_size: int) -> Outcome:
     from tiny_fsdp.core import FSDP
 
     config = CFG if rank == 0 else dataclasses.replace(CFG, n_embd=20)
-    return _observe_one(lambda: FSDP(GPT2Model(config)))
+    try:
+        FSDP(GPT2Model(config))
+    except ValueError as exc:  # anything else propagates: the harness then replaces the pool
+        return (type(exc).__name__, str(exc))
+    return None
 
 
-def _zero3_with_another_table_per_rank(rank: int, world_size: int) -> List[Outcome]:
+def _zero3_with_another_table_per_rank(rank: int, world_size: int) -> Outcome:
     from tiny_fsdp.core import Zero3
-    from tiny_fsdp.core.utils.dist import set_collective_timeout
+    from tiny_fsdp.core.utils.dist import get_collective_timeout, set_collective_timeout
 
-    set_collective_timeout(5.0)  # today this hangs in the first broadcast: fail instead
     model = make_model()
     table = _table(model, world_size, evenness=float(rank))  # other owners on each rank
-    return _observe_one(lambda: Zero3(model, table)(torch.zeros(1, 4, dtype=torch.long)))
-
-
-def _observe_one(fn: Callable[[], object]) -> List[Outcome]:
+    previous = get_collective_timeout()
+    set_collective_timeout(5.0)  # today the first broadcast hangs: time out instead
     try:
-        fn()
-        return [None]
-    except Exception as exc:
-        return [(type(exc).__name__, str(exc))]
+        Zero3(model, table)(torch.zeros(1, 4, dtype=torch.long))
+    except ValueError as exc:  # anything else propagates: the harness then replaces the pool
+        return (type(exc).__name__, str(exc))
+    finally:
+        set_collective_timeout(previous)
+    return None
 
 
-@pytest.mark.xfail(strict=True, reason=LEAD_FIX_SAME_MODEL)
+@pytest.mark.xfail(strict=True, reason=MISSING_SAME_MODEL_CHECK)
 def test_fsdp_with_a_different_model_per_rank_raises_on_every_rank() -> None:
-    outcomes = [o[0] for o in run_distributed(_fsdp_with_another_model_per_rank, WORLD)]
+    outcomes = run_distributed(_fsdp_with_another_model_per_rank, WORLD)
     _assert_clear_error(outcomes, (ValueError, r"rank 1's model differs from rank 0's"))
 
 
-@pytest.mark.xfail(strict=True, reason=LEAD_FIX_SAME_TABLE)
+@pytest.mark.xfail(strict=True, reason=MISSING_SAME_TABLE_CHECK)
 def test_zero3_with_a_different_table_per_rank_raises_on_every_rank() -> None:
-    outcomes = [o[0] for o in run_distributed(_zero3_with_another_table_per_rank, WORLD)]
+    outcomes = run_distributed(_zero3_with_another_table_per_rank, WORLD)
     _assert_clear_error(outcomes, (ValueError, r"partition table differs between ranks"))
 
 
@@ -459,16 +463,20 @@ def test_init_distributed_on_a_cuda_device_that_does_not_exist() -> None:
         init_distributed("cpu", timeout_s=0.0)
 
 
-def _cpu_model_on_nccl(rank: int, world_size: int) -> List[Outcome]:
+def _cpu_model_on_nccl(rank: int, world_size: int) -> Outcome:
     from tiny_fsdp.core import DDP
 
-    return _observe_one(lambda: DDP(make_model()))  # parameters on CPU, group on NCCL
+    try:
+        DDP(make_model())  # parameters on CPU, group on NCCL
+    except ValueError as exc:
+        return (type(exc).__name__, str(exc))
+    return None
 
 
-@pytest.mark.xfail(strict=True, reason=LEAD_FIX_META)
+@pytest.mark.xfail(strict=True, reason=MISSING_DEVICE_CHECK)
 def test_a_cpu_model_on_an_nccl_group_says_to_move_it() -> None:
     outcomes = run_distributed(_cpu_model_on_nccl, 1, backend="nccl")  # skipped without a GPU
-    _assert_clear_error([o[0] for o in outcomes], (ValueError, r"process group uses NCCL"))
+    _assert_clear_error(outcomes, (ValueError, r"process group uses NCCL"))
 
 
 # ------------------------------------------------------------------ the trainer's command line
@@ -493,7 +501,7 @@ def _write(path, data: bytes) -> str:
         ("empty.txt", b"", r"empty.txt: file is empty; pass a file with some text"),
         ("odd.bin", b"\x01\x02\x03", r"odd.bin: 3 bytes is not a whole number of uint16 tokens"),
         ("nul.txt", b"text\x00more", r"nul.txt: looks like a binary file .* name a raw uint16"),
-        ("latin1.txt", "caf\xe9".encode("latin-1"), r"latin1.txt: not valid UTF-8 .* iconv"),
+        ("latin1.txt", "caf\xe9".encode("latin-1"), r"latin1.txt: not valid UTF-8 \(.*iconv"),
         ("big.bin", b"\x00\x01" * 64, r"ids span \[256, 256\] but the vocabulary has 256 entr"),
         ("short.txt", b"tiny text", r"the train split has 9 tokens, fewer than seq_len \+ 1 = 17"),
     ],
@@ -513,6 +521,6 @@ def test_the_trainer_refuses_a_sequence_longer_than_the_block(tmp_path) -> None:
 
 
 def test_n_embd_must_divide_by_n_head_with_a_suggestion() -> None:
-    fix = r"n_embd \(20\) must be divisible by n_head \(3\).*pick e.g. n_head=4"
+    fix = r"n_embd \(20\) must be divisible by n_head \(3\).*pick e.g. n_head=2"
     with pytest.raises(ValueError, match=fix):
         GPTConfig(n_embd=20, n_head=3)

@@ -19,6 +19,7 @@ in block 1's forward, or in the backward reaching block 0's output (after the la
 already reduced their gradients). This file is also the trainer tests' entry point (``__main__``).
 """
 
+import contextlib
 import os
 import re
 import socket
@@ -26,11 +27,12 @@ import subprocess
 import sys
 import time
 import uuid
-from typing import Callable, List, Optional, Tuple
+from typing import Callable, Iterator, List, Optional, Tuple
 
 import pytest
 import torch
 import torch.distributed as dist
+from torch import nn
 
 from tests.harness import DistributedRunError, run_distributed
 from tests.parity import global_batch, lm_loss, local_slice, make_model
@@ -246,6 +248,152 @@ def test_without_a_process_group_fail_fast_is_transparent() -> None:
             raise KeyError("plain error")
     assert nonfinite_ranks({"a": 1.0, "b": torch.tensor([0.5, float("nan")])}) == {"b": [0]}
     assert nonfinite_ranks({"a": 1.0, "b": torch.zeros(3)}) == {}
+
+
+# ------------------------------------------------------------------ symmetric collectives
+#
+# A collective that one rank skips, or issues with another size, hangs the others. Every code
+# path must therefore issue the same collectives, in the same order, with the same sizes, on
+# every rank, including the corner cases below. Recorded by wrapping tiny_fsdp.core.comm.
+
+KINDS = ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "reduce", "all_gather_object")
+
+
+class _Tiny(nn.Module):
+    """2 -> 3 -> 2 MLP: tensors of 2 and 3 rows (fewer than 4 ranks: all-padding FSDP shards),
+    a layer that forward never calls, and a head (``extra``) that ``use_extra`` switches off."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.up = nn.Linear(2, 3)
+        self.norm = nn.LayerNorm(3)
+        self.down = nn.Linear(3, 2)
+        self.unused = nn.Linear(2, 2)
+        self.extra = nn.Linear(2, 2, bias=False)
+        self.use_extra = True
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.down(torch.tanh(self.norm(self.up(x))))
+        return self.extra(y) if self.use_extra else y
+
+
+class _Pair(nn.Module):
+    """Two bias-free 2 x 2 layers: 2 tensors, so ZeRO-3 ranks 2 and 3 of 4 own nothing."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(2, 2, bias=False)
+        self.b = nn.Linear(2, 2, bias=False)
+        self.use_extra = True  # unused: the interface of _Tiny
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.b(torch.tanh(self.a(x)))
+
+
+def _tiny_model(model: str, frozen: bool) -> nn.Module:
+    torch.manual_seed(0)
+    if model == "pair":
+        return _Pair()
+    tiny = _Tiny()
+    if frozen:
+        tiny.norm.weight.requires_grad_(False)
+        tiny.up.bias.requires_grad_(False)
+    return tiny
+
+
+def _wrap_tiny(strategy: str, model: nn.Module, world_size: int):
+    from tiny_fsdp import core
+
+    if strategy == "zero3":
+        parts, _ = core.zero3_partition_tensors(
+            dict(model.named_parameters()), ["cpu"] * world_size
+        )
+        wrapped = core.Zero3(model, parts)
+        named = wrapped.module.named_parameters()
+        return wrapped, core.Zero3AdamW(named, lr=1e-2, param_part_table=parts)
+    cls = {"ddp": core.DDP, "zero1": core.Zero1, "zero2": core.Zero2, "fsdp": core.FSDP}[strategy]
+    wrapped = cls(model)
+    optimizer = getattr(core, f"{type(wrapped).__name__}AdamW")(wrapped.named_parameters(), lr=1e-2)
+    return wrapped, optimizer
+
+
+@contextlib.contextmanager
+def _recording(log: list) -> Iterator[None]:
+    """Append (kind, shape, dtype) of every collective issued through ``comm`` to ``log``."""
+    from tiny_fsdp.core import comm
+
+    originals = {kind: getattr(comm, kind) for kind in KINDS}
+
+    def recorder(kind: str, original: Callable) -> Callable:
+        def call(*args, **kwargs):
+            first = args[0]
+            shape = tuple(first.shape) if isinstance(first, torch.Tensor) else type(first).__name__
+            log.append((kind, shape, str(getattr(first, "dtype", ""))))
+            return original(*args, **kwargs)
+
+        return call
+
+    try:
+        for kind, original in originals.items():
+            setattr(comm, kind, recorder(kind, original))
+        yield
+    finally:
+        for kind, original in originals.items():
+            setattr(comm, kind, original)
+
+
+SYMMETRY_CASES = [  # (strategy, model, frozen, data-dependent head)
+    *[
+        (s, "tiny", frozen, False)
+        for s in ("ddp", "zero1", "zero2", "zero3", "fsdp")
+        for frozen in (0, 1)
+    ],
+    ("zero3", "pair", 0, False),
+    ("fsdp", "pair", 0, False),
+    # Only DDP and ZeRO-1/2 promise to work when ranks use different parameters (a rank
+    # without a gradient sends zeros); ZeRO-3 / FSDP fetch per layer call by design.
+    *[(s, "tiny", 1, True) for s in ("ddp", "zero1", "zero2")],
+]
+
+
+def _collectives(rank: int, world_size: int) -> List[Tuple[list, dict]]:
+    from tiny_fsdp.core.comm import LEDGER
+    from tiny_fsdp.core.utils.failure import fail_fast
+
+    seen = []
+    for strategy, model_name, frozen, data_dependent in SYMMETRY_CASES:
+        log: list = []
+        with fail_fast(timeout_s=20.0), _recording(log):  # a mismatch fails, never hangs
+            LEDGER.reset()
+            plain = _tiny_model(model_name, bool(frozen))
+            model, optimizer = _wrap_tiny(strategy, plain, world_size)
+            for step in range(2):
+                model.module.use_extra = not data_dependent or (rank + step) % 2 == 0
+                x = torch.randn(3, 2, generator=torch.Generator().manual_seed(rank))
+                model(x).square().mean().backward()
+                optimizer.step()
+                optimizer.zero_grad(set_to_none=True)
+            full = model.state_dict()
+        seen.append((log, dict(LEDGER.calls), {k: tuple(v.shape) for k, v in full.items()}))
+    return seen
+
+
+def test_every_rank_issues_the_same_collectives_in_the_same_order() -> None:
+    """4 ranks. The tiny model's 2- and 3-row tensors leave FSDP ranks 2-3 (or 3) with all-padding
+    shards; the pair model leaves ZeRO-3 ranks 2-3 owning nothing; frozen parameters, a layer
+    never called, and a head that only some ranks use in some steps."""
+    expected_shapes = {
+        name: {k: tuple(v.shape) for k, v in _tiny_model(name, False).state_dict().items()}
+        for name in ("tiny", "pair")
+    }
+    per_rank = run_distributed(_collectives, 4)
+    for case, observed in zip(SYMMETRY_CASES, zip(*per_rank)):
+        logs, ledgers, shapes = zip(*observed)
+        assert logs[0], case  # it communicated at all
+        assert all(log == logs[0] for log in logs), (case, [len(log) for log in logs])
+        assert all(ledger == ledgers[0] for ledger in ledgers), (case, ledgers)
+        # state_dict (itself a collective) gives every rank the full model
+        assert all(s == expected_shapes[case[1]] for s in shapes), case
 
 
 # ------------------------------------------------------------------ the example trainer

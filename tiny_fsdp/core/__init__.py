@@ -21,6 +21,11 @@ from tiny_fsdp.core.module import (
     register_wrapper,
 )
 from tiny_fsdp.core.optim import SGD, AdamW
+from tiny_fsdp.core.precision import (
+    MixedPrecisionHandler,
+    MixedPrecisionPolicy,
+    apply_mixed_precision,
+)
 from tiny_fsdp.core.zero import Zero1, Zero1AdamW, Zero1SGD, Zero2, Zero2AdamW, Zero2SGD
 from tiny_fsdp.core.zero3 import Zero3, Zero3AdamW, Zero3SGD, zero3_partition_tensors
 
@@ -49,6 +54,9 @@ __all__ = [
     "LayerNorm",
     "Linear",
     "RMSNorm",
+    "MixedPrecisionHandler",
+    "MixedPrecisionPolicy",
+    "apply_mixed_precision",
     "convert_module",
     "register_wrapper",
 ]

@@ -11,7 +11,8 @@ forwards calls to it, and exposes the switches users know from PyTorch DDP / FSD
 - ``gradient_checkpointing`` (bool): recompute each block in backward (forwarded to the model).
 - ``mixed_precision`` (``MixedPrecisionPolicy`` or None): layers compute in the policy's dtype,
   parameters stay fp32 masters ([Note: mixed precision]); floating inputs are cast on entry.
-  ``half()`` / ``bfloat16()`` / ``double()`` / ``to(dtype)`` raise and point to the policy.
+  ``half()`` / ``bfloat16()`` / ``double()`` / ``to(dtype)`` raise and point to the policy
+  (``float()`` too, unless it would change nothing).
 
 ``state_dict()`` / ``load_state_dict()`` use the plain model's keys and full tensors.
 """
@@ -89,6 +90,12 @@ class DataParallelWrapper(nn.Module):
 
     def double(self) -> "DataParallelWrapper":
         raise low_precision_error(f"{type(self).__name__}.double()")
+
+    def float(self) -> "DataParallelWrapper":
+        # A no-op on fp32 parameters; ZeRO-1/2 under a policy store bf16 views of a flat buffer.
+        if any(p.is_floating_point() and p.dtype != torch.float32 for p in self.parameters()):
+            raise low_precision_error(f"{type(self).__name__}.float()")
+        return self
 
     def to(self, *args: Any, **kwargs: Any) -> "DataParallelWrapper":
         _, dtype, _, _ = torch._C._nn._parse_to(*args, **kwargs)

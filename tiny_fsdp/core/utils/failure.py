@@ -137,7 +137,7 @@ class fail_fast(contextlib.ContextDecorator):
 
     def __enter__(self) -> "fail_fast":
         previous = None
-        if self.timeout_s is not None and dist.is_available() and dist.is_initialized():
+        if self.timeout_s is not None and _group_exists():
             previous = get_collective_timeout()
             set_collective_timeout(self.timeout_s)
         self._stack.append(previous)
@@ -145,11 +145,16 @@ class fail_fast(contextlib.ContextDecorator):
 
     def __exit__(self, exc_type: Any, exc: Optional[BaseException], tb: Any) -> bool:
         previous = self._stack.pop()
-        alive = dist.is_available() and dist.is_initialized()
-        if exc is None or getattr(exc, _HANDLED, False) or not alive:
-            if previous is not None and alive:
+        try:
+            if exc is None or getattr(exc, _HANDLED, False) or not _group_exists():
+                return False  # success, an inner block handled it, or no process group
+            self._handle(exc)  # raises PeerFailureError if a peer's failure caused ``exc``
+            return False  # our own exception propagates
+        finally:
+            if previous is not None and _group_exists():
                 set_collective_timeout(previous)
-            return False  # success, an inner block handled it, or no process group
+
+    def _handle(self, exc: BaseException) -> None:
         _mark(exc)
         session = self._session()
         peer_error: Optional[PeerFailureError] = None
@@ -174,7 +179,6 @@ class fail_fast(contextlib.ContextDecorator):
                 )
         if peer_error is not None:
             raise _mark(peer_error) from exc
-        return False  # our own exception propagates
 
     def _session(self) -> _Session:
         store = self.store if self.store is not None else dist.distributed_c10d._get_default_store()
@@ -206,7 +210,7 @@ class fail_fast(contextlib.ContextDecorator):
     def _keep_store_alive(self, s: _Session, alive: int) -> None:
         """Wait until ``alive`` ranks handled the failure: at most the time a peer blocked in
         a collective needs to time out, plus ``grace_s``."""
-        timeout = get_collective_timeout() if dist.is_initialized() else None
+        timeout = get_collective_timeout() if _group_exists() else None
         deadline = time.monotonic() + (timeout or 0.0) + self.grace_s
         while s.count_handled(0) < alive and time.monotonic() < deadline:
             time.sleep(_POLL_S)
@@ -234,11 +238,12 @@ def nonfinite_ranks(
 
     A collective when a process group is initialised (call it on every rank): one all-reduce of
     a (len(values), world_size) flag matrix, so every rank gets the same answer and takes the
-    same decision (e.g. every rank skips the step). Without a process group this rank is rank 0.
+    same decision (e.g. every rank skips the step). ``device``: where the flags go, the one the
+    backend communicates (CUDA for NCCL). Without a process group this rank is rank 0.
     """
     names = list(values)
     flags = [0.0 if bool(torch.isfinite(torch.as_tensor(values[n])).all()) else 1.0 for n in names]
-    if dist.is_available() and dist.is_initialized():
+    if _group_exists():
         from tiny_fsdp.core import comm
 
         table = torch.zeros(len(names), dist.get_world_size(), device=device)  # (values, ranks)
@@ -256,8 +261,15 @@ def describe_nonfinite(bad: Dict[str, List[int]]) -> str:
     return ", ".join(f"{name} on rank(s) {ranks}" for name, ranks in bad.items())
 
 
+def _group_exists() -> bool:
+    return dist.is_available() and dist.is_initialized()
+
+
 def _mark(exc: BaseException) -> BaseException:
-    setattr(exc, _HANDLED, True)
+    try:
+        setattr(exc, _HANDLED, True)
+    except (AttributeError, TypeError):  # an exception type without attributes: seen twice
+        pass
     return exc
 
 

@@ -59,6 +59,8 @@ class _ZeroOptimizer:
 
     stage: int = 0
     rule: str = ""
+    # Each rank yields only its own pieces ([Note: clipping over shards]).
+    grads_are_sharded = True
     # Provided by torch.optim.Optimizer (declared for readers and type checkers).
     state: Dict[Tensor, Dict[str, Any]]
     param_groups: List[Dict[str, Any]]
@@ -68,6 +70,7 @@ class _ZeroOptimizer:
             raise TypeError(f"use Zero1{self.rule} or Zero2{self.rule}, not {type(self).__name__}")
         self._wrapper: Optional[ZeroWrapper] = None
         self._master_shard: Optional[Tensor] = None  # only for < 32-bit parameters
+        self._masters_given = False  # _master_shard came from the wrapper's fp32 values
         self._pieces: Dict[int, List[OwnedPiece]] = {}  # id(param group) -> its pieces
         self._consolidated: Optional[Dict[str, Any]] = None
         super().__init__(params, *args, **kwargs)  # type: ignore[call-arg]
@@ -91,7 +94,8 @@ class _ZeroOptimizer:
             param = wrapper.param_buffer.piece(piece)
             if self._master_shard is not None:
                 master = shard_piece(self._master_shard, piece)
-                master.copy_(param)
+                if not self._masters_given:
+                    master.copy_(param)
             else:
                 master = param
             grad = (
@@ -118,7 +122,10 @@ class _ZeroOptimizer:
         if self._wrapper is None:
             self._wrapper = wrapper
             wrapper._optimizers.add(self)
-            if wrapper.param_buffer.data.element_size() < 4:
+            initial = wrapper.take_initial_masters()  # mixed precision: exact fp32 values
+            if initial is not None:
+                self._master_shard, self._masters_given = initial, True
+            elif wrapper.param_buffer.data.element_size() < 4:
                 self._master_shard = torch.zeros(
                     wrapper.layout.shard_numel, dtype=torch.float32, device=p.device
                 )

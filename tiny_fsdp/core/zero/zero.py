@@ -46,6 +46,7 @@ import torch.distributed as dist
 from torch import nn
 
 from tiny_fsdp.core import comm
+from tiny_fsdp.core.precision import MixedPrecisionPolicy
 from tiny_fsdp.core.wrapper import DataParallelWrapper
 from tiny_fsdp.core.zero.flat_buffer import (
     FlatBuffer,
@@ -54,6 +55,7 @@ from tiny_fsdp.core.zero.flat_buffer import (
     gather_bucket,
     reduce_bucket,
     shard_chunk,
+    shard_piece,
 )
 
 # Set on every parameter (trainable or frozen) of a ZeRO-wrapped module: a weak ref to the wrapper.
@@ -74,6 +76,12 @@ class ZeroWrapper(DataParallelWrapper):
         bucket_cap_mb: maximum parameter bytes (MiB) per bucket (one reduce-scatter each).
         enable_async_communication: overlap the reduce-scatters with backward and the
             all-gathers with each other.
+        mixed_precision: ZeRO-1/2 already keep low-precision parameters with fp32 master
+            shards in the optimizer, so the policy maps onto that: the (fp32) model's
+            parameters are stored in ``param_dtype``, gradients are reduced in that dtype
+            (``reduce_dtype`` must equal it) and the optimizer's fp32 masters start from the
+            exact fp32 values ([Note: mixed precision]). ``state_dict()`` then holds
+            ``param_dtype`` tensors; the fp32 masters are in the optimizer's state.
 
     All trainable parameters must share one dtype and device. ``state_dict()`` /
     ``load_state_dict()`` use the plain model's keys and full tensors.
@@ -94,8 +102,16 @@ class ZeroWrapper(DataParallelWrapper):
         module: nn.Module,
         bucket_cap_mb: float = 25.0,
         enable_async_communication: bool = False,
+        mixed_precision: Optional[MixedPrecisionPolicy] = None,
     ) -> None:
-        super().__init__(module, enable_async_communication)
+        super().__init__(module, enable_async_communication, mixed_precision)
+        if mixed_precision is not None and mixed_precision.reduce_dtype != (
+            mixed_precision.param_dtype
+        ):
+            raise ValueError(
+                f"{type(self).__name__} reduces gradients in the parameters' dtype: use "
+                f"MixedPrecisionPolicy(param_dtype, reduce_dtype=None), got {mixed_precision}"
+            )
         if self.stage not in (1, 2):
             raise TypeError("instantiate Zero1 or Zero2, not ZeroWrapper")
         if not bucket_cap_mb > 0:
@@ -119,12 +135,21 @@ class ZeroWrapper(DataParallelWrapper):
         # Backward order (the last layer's gradient is ready first): layout slot i is params[i].
         self.params: List[nn.Parameter] = [p for _, p in reversed(trainable)]
         dtype, device = trainable[0][1].dtype, trainable[0][1].device
-        cap = max(1, int(bucket_cap_mb * 2**20) // trainable[0][1].element_size())
+        if mixed_precision is not None:
+            dtype = mixed_precision.param_dtype
+        cap = max(1, int(bucket_cap_mb * 2**20) // dtype.itemsize)
         self.layout = FlatLayout([p.shape for p in self.params], self.world_size, cap)
         self.param_buffer = FlatBuffer(self.layout, dtype, device)
         self._index = {id(p): i for i, p in enumerate(self.params)}
         # This rank's piece of each parameter it owns elements of (layout index -> Piece).
         self.owned_pieces: Dict[int, Piece] = {pc.index: pc for pc in self.layout.pieces(self.rank)}
+        # Mixed precision: this rank's pieces of the fp32 values, for the optimizer's masters.
+        self._initial_masters: Optional[torch.Tensor] = None
+        if mixed_precision is not None:
+            self._initial_masters = self._master_pieces_before_cast()
+            for _, p in named:
+                if not p.requires_grad:  # frozen: not in the buffer, computes in param_dtype
+                    p.data = p.data.to(dtype)
         with torch.no_grad():
             for i, p in enumerate(self.params):
                 self.param_buffer.view(i).copy_(p)
@@ -279,6 +304,26 @@ class ZeroWrapper(DataParallelWrapper):
             self.grads_reduced = True
         finally:
             self._reset_backward_state()
+
+    @torch.no_grad()
+    def _master_pieces_before_cast(self) -> torch.Tensor:
+        """(shard_numel,) this rank's pieces of rank 0's trainable parameters, in their own
+        (fp32) dtype: casting into the low-precision buffer would otherwise round the masters."""
+        first = self.params[0]
+        shard = torch.zeros(self.layout.shard_numel, dtype=first.dtype, device=first.device)
+        for p in self.params:
+            comm.broadcast(p.detach(), src=0)  # wrap time only: the masters agree on all ranks
+        for piece in self.owned_pieces.values():
+            flat = self.params[piece.index].detach().reshape(-1)
+            shard_piece(shard, piece).copy_(
+                flat[piece.param_start : piece.param_start + piece.numel]
+            )
+        return shard
+
+    def take_initial_masters(self) -> Optional[torch.Tensor]:
+        """The fp32 master shard prepared at wrap time (once; None afterwards or without one)."""
+        masters, self._initial_masters = self._initial_masters, None
+        return masters
 
     # ------------------------------------------------------------------ used by the optimizer
 
