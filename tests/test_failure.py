@@ -94,26 +94,23 @@ def _install_fault(model: torch.nn.Module, fault: str, step: int) -> None:
 # ------------------------------------------------------------------ rank side (harness)
 
 
-def _build(strategy: str, world_size: int) -> Tuple[torch.nn.Module, torch.optim.Optimizer]:
-    from tiny_fsdp.core import DDP, FSDP, Zero2, Zero2AdamW, Zero3, Zero3AdamW
-    from tiny_fsdp.core.ddp import DDPAdamW
-    from tiny_fsdp.core.fsdp import FSDPAdamW
-    from tiny_fsdp.core.zero3 import zero3_partition_tensors
+def _wrap(
+    strategy: str, model: nn.Module, world_size: int
+) -> Tuple[nn.Module, torch.optim.Optimizer]:
+    """``model`` under ``strategy``, with that strategy's AdamW."""
+    from tiny_fsdp import core
 
-    model = make_model()
-    if strategy == "fsdp":
-        wrapped = FSDP(model)
-        return wrapped, FSDPAdamW(wrapped.named_parameters(), lr=1e-3)
     if strategy == "zero3":
-        parts, _ = zero3_partition_tensors(dict(model.named_parameters()), ["cpu"] * world_size)
-        wrapped = Zero3(model, parts)
+        parts, _ = core.zero3_partition_tensors(
+            dict(model.named_parameters()), ["cpu"] * world_size
+        )
+        wrapped = core.Zero3(model, parts)
         named = wrapped.module.named_parameters()
-        return wrapped, Zero3AdamW(named, lr=1e-3, param_part_table=parts)
-    if strategy == "zero2":
-        wrapped = Zero2(model)
-        return wrapped, Zero2AdamW(wrapped.named_parameters(), lr=1e-3)
-    wrapped = DDP(model)
-    return wrapped, DDPAdamW(wrapped.named_parameters(), lr=1e-3)
+        return wrapped, core.Zero3AdamW(named, lr=1e-2, param_part_table=parts)
+    cls = {"ddp": core.DDP, "zero1": core.Zero1, "zero2": core.Zero2, "fsdp": core.FSDP}[strategy]
+    wrapped = cls(model)
+    optimizer = getattr(core, f"{type(wrapped).__name__}AdamW")(wrapped.named_parameters(), lr=1e-2)
+    return wrapped, optimizer
 
 
 def _train_with_fault(
@@ -130,7 +127,7 @@ def _train_with_fault(
     peers_done = [f"{call_id}/{r}" for r in range(world_size) if r != failing_rank]
     try:
         with fail_fast(timeout_s=TIMEOUT_S, grace_s=GRACE_S):
-            model, optimizer = _build(strategy, world_size)
+            model, optimizer = _wrap(strategy, make_model(), world_size)
             if rank == failing_rank:
                 _install_fault(model, fault, FAIL_STEP)
             for step in range(FAIL_STEP + 1):
@@ -301,22 +298,6 @@ def _tiny_model(model: str, frozen: bool) -> nn.Module:
     return tiny
 
 
-def _wrap_tiny(strategy: str, model: nn.Module, world_size: int):
-    from tiny_fsdp import core
-
-    if strategy == "zero3":
-        parts, _ = core.zero3_partition_tensors(
-            dict(model.named_parameters()), ["cpu"] * world_size
-        )
-        wrapped = core.Zero3(model, parts)
-        named = wrapped.module.named_parameters()
-        return wrapped, core.Zero3AdamW(named, lr=1e-2, param_part_table=parts)
-    cls = {"ddp": core.DDP, "zero1": core.Zero1, "zero2": core.Zero2, "fsdp": core.FSDP}[strategy]
-    wrapped = cls(model)
-    optimizer = getattr(core, f"{type(wrapped).__name__}AdamW")(wrapped.named_parameters(), lr=1e-2)
-    return wrapped, optimizer
-
-
 @contextlib.contextmanager
 def _recording(log: list) -> Iterator[None]:
     """Append (kind, shape, dtype) of every collective issued through ``comm`` to ``log``."""
@@ -366,7 +347,7 @@ def _collectives(rank: int, world_size: int) -> List[Tuple[list, dict]]:
         with fail_fast(timeout_s=20.0), _recording(log):  # a mismatch fails, never hangs
             LEDGER.reset()
             plain = _tiny_model(model_name, bool(frozen))
-            model, optimizer = _wrap_tiny(strategy, plain, world_size)
+            model, optimizer = _wrap(strategy, plain, world_size)
             for step in range(2):
                 model.module.use_extra = not data_dependent or (rank + step) % 2 == 0
                 x = torch.randn(3, 2, generator=torch.Generator().manual_seed(rank))
