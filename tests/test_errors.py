@@ -4,10 +4,6 @@ A clear error is an exception of a stated type whose message names the culprit a
 fix it. A distributed error must also be symmetric: raised by every rank (before any collective
 that the others would wait in), or the job hangs instead of failing. Each distributed case runs
 on 2 gloo ranks and records what each rank raised; the tests compare.
-
-Some checks are still missing from the strategies; their cases are marked ``xfail(strict=True)``
-with the change they need (``MISSING_*`` below). Once the change lands the case passes, strict
-xfail reports it, and the marker must go.
 """
 
 import dataclasses
@@ -28,28 +24,6 @@ from tiny_fsdp.core.module import UnsupportedModuleError
 WORLD = 2
 CFG = GPTConfigs.gpt2_tiny
 Outcome = Optional[Tuple[str, str]]  # (exception type name, message), None if nothing raised
-
-MISSING_OPTIMIZER_CHECK = (
-    "BaseOptimizer.add_param_group (tiny_fsdp/core/optim/base.py) must refuse parameters of "
-    "ZeRO-1/2, ZeRO-3 and FSDP models in a plain optimizer, naming the strategy's optimizer"
-)
-MISSING_DEVICE_CHECK = (
-    "DDP.__init__ / ZeroWrapper.__init__ must call tiny_fsdp.core.utils.dist."
-    "check_backend_device on the module's parameters before their first broadcast"
-)
-MISSING_SAME_MODEL_CHECK = (
-    "FSDP.__init__ must check, before shard_module, that every rank built the same model "
-    "(as DDP's _check_same_model_on_all_ranks)"
-)
-MISSING_TIED_TABLE_CHECK = (
-    "zero3 check_table must accept a tied alias (lm_head.weight) given the owner of its tensor, "
-    "and name the tie when the owners differ"
-)
-MISSING_SHARED_STORAGE_CHECK = (
-    "Zero1/Zero2/Zero3/FSDP.__init__ must refuse distinct parameters sharing storage, which "
-    "sharding would untie"
-)
-MISSING_SAME_TABLE_CHECK = "Zero3.__init__ must check that every rank passed the same table"
 
 
 # ------------------------------------------------------------------ building blocks
@@ -282,13 +256,6 @@ EXPECTED: Dict[str, Tuple[type, str]] = {
         r"sequence length 33 exceeds block_size 32: pass --seq_len <= block_size",
     ),
 }
-XFAIL: Dict[str, str] = {
-    **{f"pairing-AdamW-{m}": MISSING_OPTIMIZER_CHECK for m in ["zero1", "zero2", "zero3", "fsdp"]},
-    **{f"meta-{s}": MISSING_DEVICE_CHECK for s in ["ddp", "zero1", "zero2"]},
-    **{f"aliased-{s}": MISSING_SHARED_STORAGE_CHECK for s in ["zero1", "zero2", "zero3", "fsdp"]},
-    "tied-table-same-owner": MISSING_TIED_TABLE_CHECK,
-    "tied-table-other-owner": MISSING_TIED_TABLE_CHECK,
-}
 
 
 def _observe(rank: int, world_size: int, names: List[str]) -> Dict[str, Outcome]:
@@ -330,10 +297,7 @@ def _assert_clear_error(outcomes: List[Outcome], expected: Tuple[type, str]) -> 
 
 @pytest.mark.parametrize(
     "case",
-    [
-        pytest.param(c, marks=pytest.mark.xfail(strict=True, reason=XFAIL[c])) if c in XFAIL else c
-        for c in CASES
-    ],
+    list(CASES),
 )
 def test_misuse_raises_a_clear_error_on_every_rank(case: str) -> None:
     _assert_clear_error(_observed(case), EXPECTED[case])
@@ -370,13 +334,11 @@ def _zero3_with_another_table_per_rank(rank: int, world_size: int) -> Outcome:
     return None
 
 
-@pytest.mark.xfail(strict=True, reason=MISSING_SAME_MODEL_CHECK)
 def test_fsdp_with_a_different_model_per_rank_raises_on_every_rank() -> None:
     outcomes = run_distributed(_fsdp_with_another_model_per_rank, WORLD)
     _assert_clear_error(outcomes, (ValueError, r"rank 1's model differs from rank 0's"))
 
 
-@pytest.mark.xfail(strict=True, reason=MISSING_SAME_TABLE_CHECK)
 def test_zero3_with_a_different_table_per_rank_raises_on_every_rank() -> None:
     outcomes = run_distributed(_zero3_with_another_table_per_rank, WORLD)
     _assert_clear_error(outcomes, (ValueError, r"partition table differs between ranks"))
@@ -473,7 +435,6 @@ def _cpu_model_on_nccl(rank: int, world_size: int) -> Outcome:
     return None
 
 
-@pytest.mark.xfail(strict=True, reason=MISSING_DEVICE_CHECK)
 def test_a_cpu_model_on_an_nccl_group_says_to_move_it() -> None:
     outcomes = run_distributed(_cpu_model_on_nccl, 1, backend="nccl")  # skipped without a GPU
     _assert_clear_error(outcomes, (ValueError, r"process group uses NCCL"))

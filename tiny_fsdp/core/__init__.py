@@ -26,6 +26,12 @@ from tiny_fsdp.core.precision import (
     MixedPrecisionPolicy,
     apply_mixed_precision,
 )
+from tiny_fsdp.core.utils.failure import (
+    NonFiniteError,
+    PeerFailureError,
+    fail_fast,
+    nonfinite_ranks,
+)
 from tiny_fsdp.core.zero import Zero1, Zero1AdamW, Zero1SGD, Zero2, Zero2AdamW, Zero2SGD
 from tiny_fsdp.core.zero3 import Zero3, Zero3AdamW, Zero3SGD, zero3_partition_tensors
 
@@ -57,6 +63,10 @@ __all__ = [
     "MixedPrecisionHandler",
     "MixedPrecisionPolicy",
     "apply_mixed_precision",
+    "NonFiniteError",
+    "PeerFailureError",
+    "fail_fast",
+    "nonfinite_ranks",
     "convert_module",
     "register_wrapper",
 ]

@@ -47,6 +47,7 @@ from tiny_fsdp.core import comm
 from tiny_fsdp.core.ddp.bucket import GradBucket, build_buckets
 from tiny_fsdp.core.module import CallbackModule
 from tiny_fsdp.core.precision import MixedPrecisionHandler, MixedPrecisionPolicy
+from tiny_fsdp.core.utils.dist import check_backend_device
 from tiny_fsdp.core.wrapper import DataParallelWrapper
 
 # Set on every parameter of a DDP-wrapped module: a weak reference to the wrapper.
@@ -93,6 +94,7 @@ class DDP(DataParallelWrapper):
                 raise ValueError(
                     f"parameter '{name}' already belongs to another DDP wrapper; wrap a model once"
                 )
+        check_backend_device(self.module.named_parameters(), "DDP", ("broadcast", "all_reduce"))
         _check_same_model_on_all_ranks(self.module)
         _broadcast_from_rank0(self.module)
 

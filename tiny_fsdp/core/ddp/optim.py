@@ -15,6 +15,8 @@ from tiny_fsdp.core.optim import SGD, AdamW, normalize_param_group
 class _RequireDDPParams:
     """Mixin: every parameter of every group must belong to a ``DDP``-wrapped model."""
 
+    takes_strategy_params = True
+
     def add_param_group(self, param_group: Dict[str, Any]) -> None:
         # torch.optim.Optimizer.__init__ registers its groups through here too.
         first = sum(len(g["params"]) for g in getattr(self, "param_groups", []))

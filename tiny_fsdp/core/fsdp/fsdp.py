@@ -29,7 +29,11 @@ from tiny_fsdp.core.fsdp.state import FSDPState
 from tiny_fsdp.core.fsdp.unit import GatherUnit, unit_layers
 from tiny_fsdp.core.precision import MixedPrecisionPolicy
 from tiny_fsdp.core.utils.dist import require_process_group
-from tiny_fsdp.core.wrapper import DataParallelWrapper
+from tiny_fsdp.core.wrapper import (
+    DataParallelWrapper,
+    check_no_shared_storage,
+    check_same_model_on_all_ranks,
+)
 
 
 class IncompatibleKeys(NamedTuple):
@@ -83,6 +87,8 @@ class FSDP(DataParallelWrapper):
         )
         super().__init__(module, enable_async_communication, mixed_precision)
         self._state.policy = mixed_precision
+        check_no_shared_storage(self.module, "FSDP")
+        check_same_model_on_all_ranks(self.module, "FSDP")
         shard_module(self.module, rank, world_size, device, sync_module_states)
         per_tensor = isinstance(unit, str) and unit == "tensor"
         for name, layers in unit_layers(self.module, unit):

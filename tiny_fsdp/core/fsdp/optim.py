@@ -19,6 +19,8 @@ from tiny_fsdp.core.optim import SGD, AdamW, BaseOptimizer
 class _ShardUpdates(BaseOptimizer):
     """Mixin: reject non-shards at construction; feed the rule the real rows of each shard."""
 
+    takes_strategy_params = True
+
     grads_are_sharded = True  # each rank yields its own rows: clip_grad_norm_ sums over ranks
 
     def add_param_group(self, param_group: Dict[str, Any]) -> None:

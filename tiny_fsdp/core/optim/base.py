@@ -106,6 +106,25 @@ def normalize_param_groups(params: ParamsT) -> list[dict[str, Any]]:
     return groups
 
 
+#: ``param -> name of the wrapper managing it`` ("Zero1", "Zero3", "FSDP"...) or None: one function
+#: per strategy whose parameters a plain optimizer would update wrongly (registered at import).
+STRATEGY_OF_PARAM: list[Callable[[Tensor], Optional[str]]] = []
+
+
+def reject_strategy_params(optimizer: str, group: dict[str, Any]) -> None:
+    """Raise ValueError if a parameter of ``group`` belongs to a sharding strategy's model."""
+    for name, param in zip(group["param_names"], group["params"]):
+        for strategy_of in STRATEGY_OF_PARAM:
+            owner = strategy_of(param)
+            if owner is not None:
+                article = "an" if owner[0] in "AEFHILMNORSX" else "a"
+                raise ValueError(
+                    f"{optimizer}: parameter '{name}' belongs to {article} {owner}-wrapped model, "
+                    "whose optimizer updates only this rank's part; use "
+                    f"{owner}AdamW / {owner}SGD with the wrapped model's parameters"
+                )
+
+
 class BaseOptimizer(torch.optim.Optimizer):
     """``torch.optim.Optimizer`` whose step applies one per-tensor update rule.
 
@@ -117,6 +136,8 @@ class BaseOptimizer(torch.optim.Optimizer):
     #: True when each rank's ``_tensors_to_update`` yields only its own part of the model
     #: (FSDP shards, ZeRO owned tensors), so a global gradient norm needs a sum over ranks.
     grads_are_sharded: bool = False
+    #: True for a strategy's own optimizer, which checks its parameters itself.
+    takes_strategy_params: bool = False
 
     def __init__(self, params: ParamsT, defaults: dict[str, Any]) -> None:
         self._check_hyperparams(defaults)
@@ -164,6 +185,8 @@ class BaseOptimizer(torch.optim.Optimizer):
         """Normalise names, fill defaults, validate hyper-parameters, then register the group."""
         n_existing = sum(len(g["params"]) for g in self.param_groups)
         group = normalize_param_group(param_group, first_index=n_existing)
+        if not self.takes_strategy_params:
+            reject_strategy_params(type(self).__name__, group)
         for key, value in self.defaults.items():
             group.setdefault(key, value)
         self._check_hyperparams(group)

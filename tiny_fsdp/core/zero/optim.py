@@ -57,6 +57,8 @@ class _ZeroOptimizer:
     """Mixin before ``AdamW`` / ``SGD``: update only this rank's pieces ([Note: ZeRO optimizer
     step]). Subclasses set ``stage``."""
 
+    takes_strategy_params = True
+
     stage: int = 0
     rule: str = ""
     # Each rank yields only its own pieces ([Note: clipping over shards]).

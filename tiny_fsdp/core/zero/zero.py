@@ -46,8 +46,10 @@ import torch.distributed as dist
 from torch import nn
 
 from tiny_fsdp.core import comm
+from tiny_fsdp.core.optim.base import STRATEGY_OF_PARAM
 from tiny_fsdp.core.precision import MixedPrecisionPolicy
-from tiny_fsdp.core.wrapper import DataParallelWrapper
+from tiny_fsdp.core.utils.dist import check_backend_device
+from tiny_fsdp.core.wrapper import DataParallelWrapper, check_no_shared_storage
 from tiny_fsdp.core.zero.flat_buffer import (
     FlatBuffer,
     FlatLayout,
@@ -66,6 +68,14 @@ def zero_owner(tensor: torch.Tensor) -> Optional["ZeroWrapper"]:
     """The live ZeRO-1/2 wrapper whose model holds ``tensor`` as a parameter, or None."""
     ref = getattr(tensor, _OWNER_ATTR, None)
     return ref() if ref is not None else None
+
+
+def _zero_strategy(tensor: torch.Tensor) -> Optional[str]:
+    owner = zero_owner(tensor)
+    return None if owner is None else f"Zero{owner.stage}"
+
+
+STRATEGY_OF_PARAM.append(_zero_strategy)
 
 
 class ZeroWrapper(DataParallelWrapper):
@@ -120,6 +130,9 @@ class ZeroWrapper(DataParallelWrapper):
         for name, p in named:
             if any(_live_owner(p, attr) for attr in vars(p)):
                 raise ValueError(f"parameter '{name}' already belongs to a wrapper; wrap once")
+        what = type(self).__name__
+        check_backend_device(named, what, ("broadcast", "all_reduce"))  # gloo: no reduce-scatter
+        check_no_shared_storage(self.module, what)
         _check_same_model_on_all_ranks(self.module)
         trainable = [(name, p) for name, p in named if p.requires_grad]
         if not trainable:

@@ -20,6 +20,8 @@ from tiny_fsdp.core.zero3.handler import ATTR, TensorInfo
 class _Zero3Params:
     """Mixin: checks every group against the table; ``step`` updates owned tensors only."""
 
+    takes_strategy_params = True
+
     # Each rank updates only its owned tensors ([Note: clipping over shards]).
     grads_are_sharded = True
 

@@ -28,7 +28,7 @@ from torch.nn.modules.module import _IncompatibleKeys
 from tiny_fsdp.core import comm
 from tiny_fsdp.core.module import CallbackModule
 from tiny_fsdp.core.precision import MixedPrecisionPolicy
-from tiny_fsdp.core.wrapper import DataParallelWrapper
+from tiny_fsdp.core.wrapper import DataParallelWrapper, check_no_shared_storage
 from tiny_fsdp.core.zero3.handler import ATTR, FetchStats, TensorInfo, Zero3Handler, Zero3Runtime
 
 
@@ -68,7 +68,16 @@ class Zero3(DataParallelWrapper):
             raise ValueError(f"prefetch_depth must be >= 1, got {prefetch_depth}")
         rank, world_size = dist.get_rank(), dist.get_world_size()
         named = list(self.module.named_parameters())  # tied parameters appear once
-        check_table(param_part_table, named, world_size, "Zero3")
+        check_no_shared_storage(self.module, "Zero3")
+        check_table(param_part_table, named, world_size, "Zero3", _aliases(self.module))
+        tables = comm.all_gather_object(sorted(param_part_table.items()))
+        differ = [r for r, table in enumerate(tables) if table != tables[0]]
+        if differ:
+            raise ValueError(
+                f"Zero3: the partition table differs between ranks (ranks {differ} differ from "
+                "rank 0); build it the same way on every rank (same model, ranks_map and "
+                "evenness_priority)"
+            )
         self.param_part_table = param_part_table
         self.device = _choose_device(param_part_table, named, rank)  # move inputs here
         self._runtime = Zero3Runtime(rank, world_size, prefetch_depth, mixed_precision)
@@ -193,8 +202,24 @@ class Zero3(DataParallelWrapper):
         return _IncompatibleKeys(missing, unexpected)
 
 
+def _aliases(module: nn.Module) -> Dict[str, str]:
+    """Second names of tied parameters -> the name ``named_parameters()`` gives them."""
+    first: Dict[int, str] = {}
+    aliases: Dict[str, str] = {}
+    for name, param in module.named_parameters(remove_duplicate=False):
+        if id(param) in first:
+            aliases[name] = first[id(param)]
+        else:
+            first[id(param)] = name
+    return aliases
+
+
 def check_table(
-    table: Mapping[str, int], named: List[Tuple[str, torch.Tensor]], world_size: int, what: str
+    table: Mapping[str, int],
+    named: List[Tuple[str, torch.Tensor]],
+    world_size: int,
+    what: str,
+    aliases: Optional[Mapping[str, str]] = None,
 ) -> None:
     """Raise ValueError (saying how to fix it) unless ``table`` fits ``named`` on N ranks."""
     fix = (
@@ -211,8 +236,15 @@ def check_table(
     if bad:
         raise ValueError(f"{what}: owner ranks outside [0, {world_size}): {bad}; {fix}")
     names = [name for name, _ in named]
+    for alias, name in (aliases or {}).items():  # a tied tensor has one owner
+        if alias in table and name in table and table[alias] != table[name]:
+            raise ValueError(
+                f"{what}: '{alias}' is tied to '{name}' (one tensor, one owner) but the table "
+                f"gives them ranks {table[alias]} and {table[name]}; give '{alias}' the owner "
+                f"of '{name}' or leave it out"
+            )
     missing = [n for n in names if n not in table]
-    extra = [n for n in table if n not in set(names)]
+    extra = [n for n in table if n not in set(names) and n not in (aliases or {})]
     if missing or extra:
         raise ValueError(
             f"{what}: the partition table was made for another model: parameters missing from "
