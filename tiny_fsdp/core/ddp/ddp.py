@@ -48,7 +48,7 @@ from tiny_fsdp.core.ddp.bucket import GradBucket, build_buckets
 from tiny_fsdp.core.module import CallbackModule
 from tiny_fsdp.core.precision import MixedPrecisionHandler, MixedPrecisionPolicy
 from tiny_fsdp.core.utils.dist import check_backend_device
-from tiny_fsdp.core.wrapper import DataParallelWrapper
+from tiny_fsdp.core.wrapper import DataParallelWrapper, check_same_model_on_all_ranks
 
 # Set on every parameter of a DDP-wrapped module: a weak reference to the wrapper.
 _OWNER_ATTR = "_tiny_fsdp_ddp_owner"
@@ -95,7 +95,7 @@ class DDP(DataParallelWrapper):
                     f"parameter '{name}' already belongs to another DDP wrapper; wrap a model once"
                 )
         check_backend_device(self.module.named_parameters(), "DDP", ("broadcast", "all_reduce"))
-        _check_same_model_on_all_ranks(self.module)
+        check_same_model_on_all_ranks(self.module, "DDP")
         _broadcast_from_rank0(self.module)
 
         self.bucket_cap_mb = bucket_cap_mb
@@ -191,25 +191,6 @@ def _grad_ready_hook(
             ddp._on_grad_ready(bucket_index, slot, param)
 
     return hook
-
-
-def _check_same_model_on_all_ranks(module: nn.Module) -> None:
-    """Raise on every rank if the ranks' parameters / buffers differ in name, shape or dtype.
-
-    Mismatched models would otherwise pair unrelated tensors in the broadcasts and all-reduces.
-    """
-    signature = [
-        (name, tuple(t.shape), str(t.dtype), bool(t.requires_grad))
-        for name, t in [*module.named_parameters(), *module.named_buffers()]
-    ]
-    signatures = comm.all_gather_object(signature)
-    for rank, other in enumerate(signatures):
-        if other != signatures[0]:
-            diff = sorted(set(other) ^ set(signatures[0]))[:4]
-            raise ValueError(
-                f"DDP: rank {rank}'s model differs from rank 0's (name, shape, dtype, "
-                f"requires_grad); e.g. {diff}. Build the same model on every rank."
-            )
 
 
 @torch.no_grad()

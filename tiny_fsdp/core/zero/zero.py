@@ -49,7 +49,11 @@ from tiny_fsdp.core import comm
 from tiny_fsdp.core.optim.base import STRATEGY_OF_PARAM
 from tiny_fsdp.core.precision import MixedPrecisionPolicy
 from tiny_fsdp.core.utils.dist import check_backend_device
-from tiny_fsdp.core.wrapper import DataParallelWrapper, check_no_shared_storage
+from tiny_fsdp.core.wrapper import (
+    DataParallelWrapper,
+    check_no_shared_storage,
+    check_same_model_on_all_ranks,
+)
 from tiny_fsdp.core.zero.flat_buffer import (
     FlatBuffer,
     FlatLayout,
@@ -133,7 +137,7 @@ class ZeroWrapper(DataParallelWrapper):
         what = type(self).__name__
         check_backend_device(named, what, ("broadcast", "all_reduce"))  # gloo: no reduce-scatter
         check_no_shared_storage(self.module, what)
-        _check_same_model_on_all_ranks(self.module)
+        check_same_model_on_all_ranks(self.module, type(self).__name__)
         trainable = [(name, p) for name, p in named if p.requires_grad]
         if not trainable:
             raise ValueError(f"{type(self).__name__}: the model has no trainable parameter")
@@ -421,17 +425,3 @@ def _grad_ready_hook(owner: "weakref.ref[ZeroWrapper]", index: int) -> Callable[
             wrapper._on_grad_ready(index, param)
 
     return hook
-
-
-def _check_same_model_on_all_ranks(module: nn.Module) -> None:
-    """Raise on every rank if the ranks' tensors differ in name, shape, dtype or trainability."""
-    mine = [
-        (name, tuple(t.shape), str(t.dtype), t.requires_grad)
-        for name, t in [*module.named_parameters(), *module.named_buffers()]
-    ]
-    for rank, theirs in enumerate(comm.all_gather_object(mine)):
-        if theirs != mine:
-            raise ValueError(
-                f"rank {rank}'s model differs from this rank's (name, shape, dtype, requires_grad)"
-                f": {sorted(set(theirs) ^ set(mine))[:4]}. Build the same model on every rank."
-            )
