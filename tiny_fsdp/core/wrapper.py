@@ -18,7 +18,7 @@ forwards calls to it, and exposes the switches users know from PyTorch DDP / FSD
 """
 
 import contextlib
-from typing import Any, Iterator, Optional
+from typing import Any, Iterator, Mapping, Optional
 
 import torch
 from torch import nn
@@ -104,6 +104,19 @@ class DataParallelWrapper(nn.Module):
             yield
         finally:
             self.require_backward_grad_sync = previous
+
+    def state_dict(self, *args: Any, **kwargs: Any) -> Any:
+        """The plain model's state dict; sharded strategies override it to gather full tensors."""
+        return self.module.state_dict(*args, **kwargs)
+
+    def load_state_dict(
+        self, state_dict: Mapping[str, Any], strict: bool = True, assign: bool = False
+    ) -> Any:
+        """Load a plain-model state dict on this rank (load the same one on every rank)."""
+        if assign:
+            # New parameter objects would lose the strategy's hooks, views and shards.
+            raise ValueError(f"{type(self).__name__}.load_state_dict does not support assign=True")
+        return self.module.load_state_dict(state_dict, strict=strict)
 
     @property
     def gradient_checkpointing(self) -> bool:

@@ -37,7 +37,7 @@ supported (``GPT2Model`` checkpoints with ``use_reentrant=False``).
 """
 
 import weakref
-from typing import Any, Callable, List, Mapping, Optional
+from typing import Any, Callable, List, Optional
 
 import torch
 import torch.distributed as dist
@@ -165,21 +165,6 @@ class DDP(DataParallelWrapper):
             bucket.reset()
         self._next_launch = 0
         self._backward_active = False
-
-    # ------------------------------------------------------------------ checkpoints
-
-    def state_dict(self, *args: Any, **kwargs: Any) -> Any:
-        """The plain model's state dict (every rank holds the full tensors)."""
-        return self.module.state_dict(*args, **kwargs)
-
-    def load_state_dict(
-        self, state_dict: Mapping[str, Any], strict: bool = True, assign: bool = False
-    ) -> Any:
-        """Load a plain-model state dict on this rank (load the same one on every rank)."""
-        if assign:
-            # New parameter objects would lose the gradient hooks and bucket slots.
-            raise ValueError("DDP.load_state_dict does not support assign=True")
-        return self.module.load_state_dict(state_dict, strict=strict)
 
 
 def _grad_ready_hook(

@@ -381,17 +381,11 @@ class ZeroWrapper(DataParallelWrapper):
 
     # ------------------------------------------------------------------ checkpoints
 
-    def state_dict(self, *args: Any, **kwargs: Any) -> Any:
-        """The plain model's state dict (every rank holds the full parameters)."""
-        return self.module.state_dict(*args, **kwargs)
-
     def load_state_dict(
         self, state_dict: Mapping[str, Any], strict: bool = True, assign: bool = False
     ) -> Any:
         """Load a plain-model state dict (the same on every rank); refreshes optimizer masters."""
-        if assign:
-            raise ValueError(f"{type(self).__name__}.load_state_dict does not support assign=True")
-        result = self.module.load_state_dict(state_dict, strict=strict)  # copies into views
+        result = super().load_state_dict(state_dict, strict, assign)  # copies into views
         for optimizer in list(self._optimizers):
             optimizer._masters_from_params()
         return result
