@@ -5,9 +5,13 @@ setup(
     version="0.1.0",
     description="Small, readable data-parallel training strategies (DDP, ZeRO-1/2/3, FSDP).",
     license="Apache-2.0",
-    packages=find_packages(include=["tiny_fsdp", "tiny_fsdp.*", "example", "example.*"]),
+    # Only the library is installed. The examples run from the repository (each script puts the
+    # repository root on sys.path), so no top-level ``example`` package lands in site-packages.
+    packages=find_packages(include=["tiny_fsdp", "tiny_fsdp.*"]),
     python_requires=">=3.9",
-    install_requires=["torch>=2.4", "tqdm"],
+    # Everything the library and the examples import at run time (the examples' data reader
+    # uses numpy). Tests, lint and plots are in the dev extras.
+    install_requires=["torch>=2.4", "numpy", "tqdm"],
     extras_require={
         "dev": ["pytest", "pytest-timeout", "hypothesis", "black", "flake8", "matplotlib"],
     },

@@ -21,6 +21,7 @@ from contextlib import contextmanager
 from typing import Iterator, List, Optional, Protocol, Sequence
 
 TOKENIZER_NAMES = ("auto", "byte", "gpt2")
+GPT2_VOCAB_SIZE = 50257  # ids of GPT-2's BPE are in [0, 50257)
 
 # The two GPT-2 files tiktoken builds its "gpt2" encoding from, with their published sha256.
 _GPT2_FILES = {
@@ -165,14 +166,17 @@ def _load_gpt2() -> GPT2Tokenizer:
     return GPT2Tokenizer(encoding)
 
 
-def get_tokenizer(name: str = "auto") -> Tokenizer:
+def get_tokenizer(name: str = "auto", vocab_size: Optional[int] = None) -> Tokenizer:
     """``"byte"``, ``"gpt2"`` (raises TokenizerUnavailableError if not available offline), or
-    ``"auto"``: gpt2 when available offline, else byte. Never touches the network."""
+    ``"auto"``: gpt2 when available offline and its ids fit ``vocab_size`` (the model's
+    vocabulary; None: no limit), else byte. Never touches the network."""
     if name == "byte":
         return ByteTokenizer()
     if name == "gpt2":
         return _load_gpt2()
     if name == "auto":
+        if vocab_size is not None and vocab_size < GPT2_VOCAB_SIZE:
+            return ByteTokenizer()  # a byte-level model (gpt2_bytes) keeps bytes
         try:
             return _load_gpt2()
         except TokenizerUnavailableError:

@@ -4,9 +4,10 @@
     torchrun --standalone --nproc_per_node=2 example/fsdp/train.py --model gpt2_bytes
 
 Every rank reads its own slice of each global batch (``example/data.py``), so N ranks with
-``--batch_size b`` see exactly the tokens of one process with batch N x b. Rank 0 draws the
-progress bar and prints one line per step with fixed fields; the logged loss is the mean over
-ranks.
+``--batch_size b`` see exactly the tokens of one process with batch N x b. Rank 0 prints one line
+per logged step with fixed fields (the logged loss is the mean over ranks) and, only when both
+stdout and stderr are terminals, draws a progress bar under them: a log file or a pipe gets clean
+lines, never carriage-return frames.
 """
 
 import argparse
@@ -24,9 +25,8 @@ import torch.nn.functional as F
 from tqdm import tqdm
 
 from example.data import TokenBatches, check_vocab, default_corpus_description, load_tokens
-from example.model import GPT2Model, GPTConfigs
 from example.strategies import STRATEGIES, build_strategy
-from example.tokenizer import get_tokenizer
+from example.tokenizer import ByteTokenizer, get_tokenizer
 from tiny_fsdp.checkpoint import has_checkpoint, load_checkpoint, save_checkpoint
 from tiny_fsdp.core.utils.dist import DistEnv, init_distributed
 from tiny_fsdp.core.utils.failure import (
@@ -35,11 +35,20 @@ from tiny_fsdp.core.utils.failure import (
     fail_fast,
     nonfinite_ranks,
 )
+from tiny_fsdp.models.gpt2 import GPT2Model, GPTConfigs
+
+
+def example_models() -> List[str]:
+    """The presets ``--model`` offers: those whose vocabulary covers the default data's byte
+    tokenizer (``gpt2_tiny``, with 67 entries, is for unit tests only)."""
+    return [
+        n for n in GPTConfigs.names() if GPTConfigs.get(n).vocab_size >= ByteTokenizer.vocab_size
+    ]
 
 
 def build_arg_parser(strategy: str) -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=f"Train GPT-2 with the {strategy} strategy.")
-    p.add_argument("--model", default="gpt2", choices=GPTConfigs.names())
+    p.add_argument("--model", default="gpt2", choices=example_models())
     p.add_argument("--lr", type=float, default=1e-5, help="peak learning rate")
     p.add_argument("--steps", type=int, default=100, help="optimizer steps")
     p.add_argument("--weight_decay", type=float, default=1e-1, help="AdamW decay (matrices)")
@@ -150,9 +159,9 @@ def main(strategy: str, argv: Optional[List[str]] = None) -> List[float]:
     master = env.is_master
     torch.manual_seed(args.seed)
 
-    tokenizer = get_tokenizer(args.tokenizer)
-    tokens = load_tokens(args.data, tokenizer)
     config = GPTConfigs.get(args.model)
+    tokenizer = get_tokenizer(args.tokenizer, config.vocab_size)
+    tokens = load_tokens(args.data, tokenizer)
     check_vocab(tokens, config.vocab_size, args.data or "the embedded corpus")
     if args.seq_len > config.block_size:
         raise ValueError(f"--seq_len {args.seq_len} exceeds block_size {config.block_size}")
@@ -172,7 +181,8 @@ def main(strategy: str, argv: Optional[List[str]] = None) -> List[float]:
     start = _maybe_resume(model, optimizer, args, master)
     tokens_per_step = args.batch_size * args.seq_len * args.grad_accum * env.world_size
     losses: List[float] = []
-    bar = tqdm(range(start, args.steps), disable=not master, file=sys.stderr, dynamic_ncols=True)
+    show_bar = master and sys.stdout.isatty() and sys.stderr.isatty()
+    bar = tqdm(range(start, args.steps), disable=not show_bar, file=sys.stderr, dynamic_ncols=True)
     for step in bar:
         t0 = time.perf_counter()
         for group in optimizer.param_groups:

@@ -152,7 +152,7 @@ def format_table(
 
 def main(argv: Optional[Sequence[str]] = None) -> str:
     """Print (and return) the table for a GPT-2 preset or a given parameter count."""
-    from example.model import GPT2Model, GPTConfigs
+    from tiny_fsdp.models.gpt2 import GPT2Model, GPTConfigs
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="gpt2", choices=GPTConfigs.names())

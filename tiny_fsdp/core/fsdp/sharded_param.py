@@ -214,7 +214,7 @@ def _full_tensor(
         raise TypeError(
             f"parameter '{name}' is on the meta device, so FSDP must initialise it, but "
             f"{type(root).__name__} has no init_parameter(name, full_tensor) method. Add one "
-            "(see [Note: per-parameter init] in example/model.py) or build the model on a "
+            "(see [Note: per-parameter init] in tiny_fsdp/models/gpt2.py) or build the model on a "
             "real device."
         )
     if device is None:
