@@ -36,6 +36,7 @@ from tiny_fsdp.core.utils.failure import (
     nonfinite_ranks,
 )
 from tiny_fsdp.models.gpt2 import GPT2Model, GPTConfigs
+from tiny_fsdp.models.hf_gpt2 import hf_gpt2_config, hf_gpt2_to_ours, read_hf_state_dict
 
 
 def example_models() -> List[str]:
@@ -49,6 +50,12 @@ def example_models() -> List[str]:
 def build_arg_parser(strategy: str) -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=f"Train GPT-2 with the {strategy} strategy.")
     p.add_argument("--model", default="gpt2", choices=example_models())
+    p.add_argument(
+        "--init_from",
+        default=None,
+        help="start from GPT-2 weights that HuggingFace's save_pretrained() wrote to this "
+        "directory (its config.json replaces --model)",
+    )
     p.add_argument("--lr", type=float, default=1e-5, help="peak learning rate")
     p.add_argument("--steps", type=int, default=100, help="optimizer steps")
     p.add_argument("--weight_decay", type=float, default=1e-1, help="AdamW decay (matrices)")
@@ -159,7 +166,7 @@ def main(strategy: str, argv: Optional[List[str]] = None) -> List[float]:
     master = env.is_master
     torch.manual_seed(args.seed)
 
-    config = GPTConfigs.get(args.model)
+    config = hf_gpt2_config(args.init_from) if args.init_from else GPTConfigs.get(args.model)
     tokenizer = get_tokenizer(args.tokenizer, config.vocab_size)
     tokens = load_tokens(args.data, tokenizer)
     check_vocab(tokens, config.vocab_size, args.data or "the embedded corpus")
@@ -168,12 +175,15 @@ def main(strategy: str, argv: Optional[List[str]] = None) -> List[float]:
     batches = TokenBatches(tokens, args.seq_len, args.seed, source=args.data or "embedded")
 
     model, optimizer = build_strategy(strategy, lambda: GPT2Model(config), args, env)
+    if args.init_from:  # every strategy loads a plain-model state dict of full tensors
+        model.load_state_dict(hf_gpt2_to_ours(read_hf_state_dict(args.init_from)))
     if args.grad_ckpt:
         model.gradient_checkpointing = True
     if master:
         source = args.data or default_corpus_description()
         print(
-            f"{strategy} | {env.world_size} rank(s) on {env.device} | model {args.model} "
+            f"{strategy} | {env.world_size} rank(s) on {env.device} | model "
+            f"{args.init_from or args.model} "
             f"({_count(config)} params) | "
             f"{tokens.numel():,} tokens ({tokenizer.name}) from {source}"
         )
