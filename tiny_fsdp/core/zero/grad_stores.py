@@ -80,7 +80,8 @@ class ZeroGradStore(ABC):
             )
 
     def launch(self, bucket: int, async_op: bool) -> None:
-        """Reduce ``bucket`` (this rank's gradient / N): this rank's chunk gets the sum."""
+        """Sum ``bucket`` (every rank's gradient / N) over ranks: this rank's chunk of the
+        average lands in ``_out(bucket)``."""
         self._pending[bucket] = reduce_bucket(
             self._source(bucket), self._out(bucket), self.rank, async_op
         )
@@ -107,28 +108,27 @@ class ZeroGradStore(ABC):
 
     @abstractmethod
     def keep_local(self, index: int, param: nn.Parameter) -> None:
-        raise NotImplementedError
+        """``no_sync`` hook: the full local gradient stays, accumulating."""
 
     @abstractmethod
     def add(self, index: int, param: nn.Parameter) -> None:
-        raise NotImplementedError
+        """``param.grad / N`` into its bucket's ``_source`` (``param.grad`` None: zeros)."""
 
     @abstractmethod
     def reduced_grad(self, piece: Piece) -> torch.Tensor:
         """(piece.numel,) view of ``piece``'s averaged gradient after a synchronised backward."""
-        raise NotImplementedError
 
     @abstractmethod
     def _source(self, bucket: int) -> torch.Tensor:
-        raise NotImplementedError
+        """(N * chunk,) what the reduction of ``bucket`` sums over ranks."""
 
     @abstractmethod
     def _out(self, bucket: int) -> torch.Tensor:
-        raise NotImplementedError
+        """(chunk,) where this rank's chunk of the sum of ``bucket`` lands."""
 
     @abstractmethod
     def _clear(self, set_to_none: bool) -> None:
-        raise NotImplementedError
+        """Clear the gradients this store keeps (see ``zero_grad``)."""
 
 
 class FullGradBuffer(ZeroGradStore):

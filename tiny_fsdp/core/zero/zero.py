@@ -177,6 +177,7 @@ class ZeroWrapper(DataParallelWrapper):
 
     @property
     def stage(self) -> int:
+        """1 or 2: the label of the gradient store (for messages; nothing branches on it)."""
         return self.grad_store.stage
 
     @property
