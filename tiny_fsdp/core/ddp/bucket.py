@@ -14,12 +14,13 @@ unused in its forward); after the all-reduce a zero flag means no rank had a gra
 parameter's ``.grad`` is left None, as single-device training would leave it. Riding in the same
 buffer, the flags cost ``k`` elements and no extra collective.
 
-A bucket is *complete* when every parameter has been added. ``launch`` starts the all-reduce
-(asynchronously if asked) and ``finish`` waits for it and writes the averages back into
-``param.grad``, then resets the bucket for the next backward.
+The backward engine ([Note: bucketed backward]) adds every slot (``add_grad``) before it calls
+``launch``, which starts the all-reduce (asynchronously if asked); ``finish`` waits for it, writes
+the averages back into ``param.grad`` and resets the bucket for the next backward.
+``AllReduceBuckets`` is DDP's gradient store: its buckets, behind the engine's verbs.
 """
 
-from typing import List, Optional, Sequence
+from typing import List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
@@ -59,49 +60,34 @@ class GradBucket:
             offset += p.numel()
         self.flags = self.buffer[total:]  # (len(params),)
         self._has_grad = [False] * len(self.params)
-        self._n_added = 0
         self._work: Optional[dist.Work] = None
         self.launched = False
 
-    @property
-    def complete(self) -> bool:
-        return self._n_added == len(self.params)
+    def add_grad(self, slot: int, grad: Optional[torch.Tensor]) -> None:
+        """Copy ``grad`` (shape of ``params[slot]``) into its slot, divided by the world size.
 
-    def add_grad(self, slot: int, grad: torch.Tensor) -> None:
-        """Copy ``grad`` (shape of ``params[slot]``) into its slot, divided by the world size."""
-        if self._has_grad[slot]:
-            raise RuntimeError(
-                f"the gradient of bucket parameter {slot} became ready twice in one backward"
-            )
+        ``grad`` None (the parameter had no gradient on this rank): zeros, and a zero flag.
+        """
+        if grad is None:
+            self.views[slot].zero_()
+            return
         # One pass that copies and scales (rather than copy now, divide the buffer later).
         torch.div(grad, self.world_size, out=self.views[slot])
         self._has_grad[slot] = True
-        self._n_added += 1
-
-    def add_missing(self) -> None:
-        """Fill the slots whose parameter's hook did not fire in this backward.
-
-        A gradient kept from earlier ``no_sync`` micro-steps is still this rank's contribution;
-        a parameter with no gradient at all contributes zeros and a zero flag.
-        """
-        for slot, p in enumerate(self.params):
-            if self._has_grad[slot]:
-                continue
-            if p.grad is not None:
-                self.add_grad(slot, p.grad)
-            else:
-                self.views[slot].zero_()
-                self._n_added += 1  # complete, but the flag stays 0
 
     def launch(self, async_op: bool) -> None:
-        """Start the SUM all-reduce of the (complete) buffer."""
-        assert self.complete and not self.launched, "launch a complete bucket exactly once"
+        """Start the SUM all-reduce of the buffer (every slot added)."""
+        assert not self.launched, "launch a bucket once per backward"
         if all(self._has_grad):
             self.flags.fill_(1)  # one kernel: the common case
         else:
             self.flags.copy_(torch.tensor(self._has_grad, dtype=self.flags.dtype))
         self._work = comm.all_reduce(self.buffer, async_op=async_op)
         self.launched = True
+
+    def is_done(self) -> bool:
+        """The launched all-reduce has completed (never blocks)."""
+        return self._work is None or self._work.is_completed()
 
     def finish(self) -> None:
         """Wait for the all-reduce, write the averages into ``param.grad``, reset the bucket."""
@@ -124,9 +110,58 @@ class GradBucket:
     def reset(self) -> None:
         """Forget this backward's progress (also used to drop the state of a failed backward)."""
         self._has_grad = [False] * len(self.params)
-        self._n_added = 0
         self._work = None
         self.launched = False
+
+
+class AllReduceBuckets:
+    """DDP's gradient store ([Note: bucketed backward]): ``buckets`` of the trainable ``params``
+    (``build_buckets``), each all-reduced as one flat buffer, the averages copied back into
+    ``param.grad``. Parameter ``index`` is its position in bucket order."""
+
+    reduces_eagerly = False  # without asynchronous communication, reduce at the end of backward
+
+    def __init__(
+        self,
+        params: Sequence[nn.Parameter],
+        bucket_cap_bytes: int,
+        world_size: int,
+        dtype: Optional[torch.dtype] = None,
+    ) -> None:
+        self.buckets = build_buckets(params, bucket_cap_bytes, world_size, dtype)
+        self.params: List[nn.Parameter] = [p for bucket in self.buckets for p in bucket.params]
+        self.bucket_members: List[List[int]] = []
+        self._where: List[Tuple[int, int]] = []  # parameter index -> (bucket, slot)
+        for b, bucket in enumerate(self.buckets):
+            first = len(self._where)
+            self.bucket_members.append(list(range(first, first + len(bucket.params))))
+            self._where += [(b, slot) for slot in range(len(bucket.params))]
+
+    def begin(self, sync: bool) -> None:
+        pass  # param.grad holds the average afterwards: a further backward may add onto it
+
+    def keep_local(self, index: int, param: nn.Parameter) -> None:
+        pass  # autograd accumulates into param.grad
+
+    def add(self, index: int, param: nn.Parameter) -> None:
+        b, slot = self._where[index]
+        self.buckets[b].add_grad(slot, param.grad)
+
+    def launch(self, bucket: int, async_op: bool) -> None:
+        self.buckets[bucket].launch(async_op)
+
+    def is_done(self, bucket: int) -> bool:
+        return self.buckets[bucket].is_done()
+
+    def finish(self, bucket: int) -> None:
+        self.buckets[bucket].finish()
+
+    def end(self) -> None:
+        pass
+
+    def reset(self) -> None:
+        for bucket in self.buckets:
+            bucket.reset()
 
 
 def build_buckets(

@@ -8,8 +8,8 @@ master; nothing is duplicated), else an fp32 copy (a view of one contiguous fp32
 ``shard_numel`` elements), initialised from the parameters. ``step``:
 
 1. applies the unchanged update rule (``adamw_update_`` / ``sgd_update_``) to every piece's
-   master with its reduced gradient (a view of the gradient buffer's owned chunk for ZeRO-1, of
-   the gradient shard for ZeRO-2; cast to fp32 by the rule) and its own state, so optimizer
+   master with its reduced gradient (``wrapper.reduced_grad``: a view into the gradient store,
+   [Note: ZeRO gradient stores]; cast to fp32 by the rule) and its own state, so optimizer
    state exists for owned elements only;
 2. writes separate masters back into the parameter buffer, rounded to the parameter dtype;
 3. all-gathers the parameter buffer bucket by bucket: every rank has the new full parameters.
@@ -17,29 +17,20 @@ master; nothing is duplicated), else an fp32 copy (a view of one contiguous fp32
 Bytes per rank (P trainable elements, N ranks, padding aside), AdamW: fp32 params:
 ZeRO-1 4P + 4P + 8P/N, ZeRO-2 4P + 12P/N; bf16 params: ZeRO-1 2P + 2P + 12P/N, ZeRO-2 2P + 14P/N.
 
-[Note: consolidated ZeRO state]
-``consolidate_state_dict(to)`` (every rank) gathers the pieces of every state tensor, bucket by
-bucket, and rank ``to`` keeps ``{"format", "optimizer", "state", "param_groups"}`` with, per
-optimizer parameter index (as ``torch.optim``), full tensors shaped like the parameter: ``master``
-(the master value) and the rule's state (``exp_avg``, ``exp_avg_sq``, ``step``; or
-``momentum_buffer``). Nothing depends on the world size, the bucket size or the stage, so
-``load_state_dict`` (every rank) slices its own pieces out at any world size, then writes the
-masters into the parameters and all-gathers them, so parameters and masters never disagree.
+Checkpoints: [Note: consolidated ZeRO state].
 """
 
 from collections import defaultdict
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, List, Mapping, Optional
+from typing import Any, Callable, Dict, List, Mapping, Optional, Type
 
 import torch
 from torch import Tensor
 
-from tiny_fsdp.core import comm
 from tiny_fsdp.core.optim import SGD, AdamW
-from tiny_fsdp.core.zero.flat_buffer import Piece, gather_bucket, shard_chunk, shard_piece
-from tiny_fsdp.core.zero.zero import ZeroWrapper, zero_owner
-
-FORMAT = "tiny_fsdp.zero12.v1"
+from tiny_fsdp.core.zero.consolidated_state import check_loadable, consolidate, slice_pieces
+from tiny_fsdp.core.zero.flat_buffer import Piece, shard_piece
+from tiny_fsdp.core.zero.zero import Zero1, Zero2, ZeroWrapper, zero_owner
 
 
 @dataclass
@@ -55,11 +46,11 @@ class OwnedPiece:
 
 class _ZeroOptimizer:
     """Mixin before ``AdamW`` / ``SGD``: update only this rank's pieces ([Note: ZeRO optimizer
-    step]). Subclasses set ``stage``."""
+    step]). Subclasses set the ``wrapper_cls`` they update and the update ``rule``."""
 
     takes_strategy_params = True
 
-    stage: int = 0
+    wrapper_cls: Optional[Type[ZeroWrapper]] = None
     rule: str = ""
     # Each rank yields only its own pieces ([Note: clipping over shards]).
     grads_are_sharded = True
@@ -68,7 +59,7 @@ class _ZeroOptimizer:
     param_groups: List[Dict[str, Any]]
 
     def __init__(self, params: Any, *args: Any, **kwargs: Any) -> None:
-        if self.stage not in (1, 2):
+        if self.wrapper_cls is None:
             raise TypeError(f"use Zero1{self.rule} or Zero2{self.rule}, not {type(self).__name__}")
         self._wrapper: Optional[ZeroWrapper] = None
         self._master_shard: Optional[Tensor] = None  # only for < 32-bit parameters
@@ -100,30 +91,27 @@ class _ZeroOptimizer:
                     master.copy_(param)
             else:
                 master = param
-            grad = (
-                wrapper.grad_buffer.piece(piece)
-                if wrapper.stage == 1
-                else shard_piece(wrapper.grad_shard, piece)
-            )
+            grad = wrapper.reduced_grad(piece)
             owned.append(OwnedPiece(first_index + k, piece, master, grad, param))
         return owned
 
     def _check_owner(self, name: str, p: Tensor) -> ZeroWrapper:
-        cls = type(self).__name__
+        cls, needed = type(self).__name__, self.wrapper_cls.__name__
         wrapper = zero_owner(p)
         if wrapper is None:
             raise ValueError(
-                f"{cls}: parameter '{name}' does not belong to a Zero{self.stage}-wrapped model; "
-                f"wrap first (model = Zero{self.stage}(model)) and pass model.named_parameters()"
+                f"{cls}: parameter '{name}' does not belong to a {needed}-wrapped model; "
+                f"wrap first (model = {needed}(model)) and pass model.named_parameters()"
             )
-        if wrapper.stage != self.stage:
+        if not isinstance(wrapper, self.wrapper_cls):
+            got = type(wrapper).__name__
             raise ValueError(
-                f"{cls} needs a Zero{self.stage}-wrapped model but parameter '{name}' belongs to "
-                f"a {type(wrapper).__name__}; use Zero{wrapper.stage}{self.rule}"
+                f"{cls} needs a {needed}-wrapped model but parameter '{name}' belongs to "
+                f"a {got}; use {got}{self.rule}"
             )
         if self._wrapper is None:
             self._wrapper = wrapper
-            wrapper._optimizers.add(self)
+            wrapper.register_optimizer(self)
             initial = wrapper.take_initial_masters()  # mixed precision: exact fp32 values
             if initial is not None:
                 self._master_shard, self._masters_given = initial, True
@@ -174,70 +162,18 @@ class _ZeroOptimizer:
 
     # ------------------------------------------------------------------ checkpoints
 
-    @torch.no_grad()
     def consolidate_state_dict(self, to: int = 0) -> None:
         """Gather the full optimizer state on rank ``to`` (call on every rank); then call
         ``state_dict()`` there. Format: [Note: consolidated ZeRO state]."""
-        wrapper = self._wrapper
-        pieces = self._all_pieces()
-        # Each parameter's state keys (None: a sharded tensor) and 0-d values (``step``), from
-        # every rank that owns a piece of it; metadata, so not through the counted collectives.
-        meta: Dict[int, Dict[str, Any]] = {}
-        for op in pieces:
-            meta[op.opt_index] = {
-                k: v if _is_scalar(v) else None for k, v in self.state[op.master].items()
-            }
-        merged: Dict[int, Dict[str, Any]] = defaultdict(dict)
-        for rank_meta in comm.all_gather_object(meta):
-            for i, entry in rank_meta.items():
-                merged[i].update(entry)
-        keys = ["master", *sorted({k for e in merged.values() for k, v in e.items() if v is None})]
-        full = {key: self._gather_flat(key, pieces, keep=wrapper.rank == to) for key in keys}
-        self._consolidated = None
-        if wrapper.rank != to:
-            return
-        state: Dict[int, Dict[str, Any]] = {}
-        groups = []
-        index = 0
-        for group in self.param_groups:
-            for p in group["params"]:
-                if p.requires_grad:
-                    slot = wrapper.layout.slots[wrapper.index_of(p)]
-                    entry = merged[index]
-                    state[index] = {
-                        k: full[k][slot.start : slot.start + slot.numel].view(slot.shape).clone()
-                        for k in keys
-                        if k == "master" or (k in entry and entry[k] is None)
-                    }
-                    state[index].update({k: v for k, v in entry.items() if v is not None})
-                index += 1
-            first = index - len(group["params"])
-            saved = {k: v for k, v in group.items() if k != "params"}
-            groups.append({**saved, "params": list(range(first, index))})
-        self._consolidated = {
-            "format": FORMAT,
-            "optimizer": self.rule,
-            "state": state,
-            "param_groups": groups,
-        }
-
-    def _gather_flat(self, key: str, pieces: List[OwnedPiece], keep: bool) -> Optional[Tensor]:
-        """State ``key`` of every rank's pieces in the flat layout (``layout.numel``,), on the
-        CPU where ``keep``: each rank fills its shard, then one all-gather per bucket."""
-        layout = self._wrapper.layout
-        device = self._wrapper.param_buffer.data.device
-        shard = torch.zeros(layout.shard_numel, dtype=self._master_dtype(), device=device)
-        for op in pieces:
-            value = op.master if key == "master" else self.state[op.master].get(key)
-            if value is not None:
-                shard_piece(shard, op.piece).copy_(value)
-        flat = torch.empty(layout.numel, dtype=shard.dtype, device=device)
-        for b, bucket in enumerate(layout.buckets):
-            lo, _ = layout.chunk_range(b, self._wrapper.rank)
-            flat[lo : lo + bucket.chunk].copy_(shard_chunk(shard, layout, b))
-            bucket_view = flat[bucket.start : bucket.start + bucket.numel]
-            gather_bucket(bucket_view, self._wrapper.rank, layout.world_size, async_op=False)
-        return flat.cpu() if keep else None
+        self._consolidated = consolidate(
+            self._wrapper,
+            self._all_pieces(),
+            self.state,
+            self.param_groups,
+            self.rule,
+            self._master_dtype(),
+            to,
+        )
 
     def _master_dtype(self) -> torch.dtype:
         if self._master_shard is not None:
@@ -258,77 +194,34 @@ class _ZeroOptimizer:
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
         """Load a consolidated state (call on every rank, any world size): each rank takes its
         pieces; then the parameters are set to the masters (and all-gathered)."""
-        self._check_loadable(state_dict)
+        check_loadable(type(self).__name__, self.rule, self.param_groups, state_dict)
         for group, saved in zip(self.param_groups, state_dict["param_groups"]):
             group.update({k: v for k, v in saved.items() if k not in ("params", "param_names")})
         self.state = defaultdict(dict)
-        for op in self._all_pieces():
-            entry = state_dict["state"].get(op.opt_index)
-            if entry is None:
-                continue
-            lo, hi = op.piece.param_start, op.piece.param_start + op.piece.numel
-            op.master.copy_(entry["master"].reshape(-1)[lo:hi])
-            self.state[op.master] = {
-                k: (
-                    v.clone()
-                    if _is_scalar(v)
-                    else v.reshape(-1)[lo:hi].to(op.master.device, op.master.dtype).clone()
-                )
-                for k, v in entry.items()
-                if k != "master"
-            }
+        self.state.update(slice_pieces(self._all_pieces(), state_dict["state"]))
         self._consolidated = None
         self._publish()
-
-    def _check_loadable(self, state_dict: Mapping[str, Any]) -> None:
-        cls = type(self).__name__
-        if not isinstance(state_dict, Mapping) or state_dict.get("format") != FORMAT:
-            got = sorted(state_dict)[:6] if isinstance(state_dict, Mapping) else type(state_dict)
-            raise ValueError(
-                f"{cls}.load_state_dict expects a state saved by consolidate_state_dict() + "
-                f"state_dict() of a tiny_fsdp ZeRO-1/2 optimizer (format '{FORMAT}'); got {got}"
-            )
-        if state_dict["optimizer"] != self.rule:
-            raise ValueError(
-                f"{cls}: cannot load the state of a {state_dict['optimizer']} optimizer"
-            )
-        saved = [len(g["params"]) for g in state_dict["param_groups"]]
-        mine = [len(g["params"]) for g in self.param_groups]
-        if saved != mine:
-            raise ValueError(f"{cls}: saved groups hold {saved} parameters, this optimizer {mine}")
-        params = [(n, p) for g in self.param_groups for n, p in zip(g["param_names"], g["params"])]
-        for index, (name, p) in enumerate(params):
-            entry = state_dict["state"].get(index)
-            if entry is not None and entry["master"].shape != p.shape:
-                raise ValueError(
-                    f"{cls}: saved parameter {index} has shape {tuple(entry['master'].shape)}, "
-                    f"'{name}' has {tuple(p.shape)}"
-                )
-
-
-def _is_scalar(value: Any) -> bool:
-    return not isinstance(value, Tensor) or value.dim() == 0
 
 
 class Zero1AdamW(_ZeroOptimizer, AdamW):
     """``AdamW`` (same arguments) for a ``Zero1`` model: state and fp32 master sharded."""
 
-    stage, rule = 1, "AdamW"
+    wrapper_cls, rule = Zero1, "AdamW"
 
 
 class Zero2AdamW(_ZeroOptimizer, AdamW):
     """``AdamW`` (same arguments) for a ``Zero2`` model: state and fp32 master sharded."""
 
-    stage, rule = 2, "AdamW"
+    wrapper_cls, rule = Zero2, "AdamW"
 
 
 class Zero1SGD(_ZeroOptimizer, SGD):
     """``SGD`` (same arguments) for a ``Zero1`` model: momentum and fp32 master sharded."""
 
-    stage, rule = 1, "SGD"
+    wrapper_cls, rule = Zero1, "SGD"
 
 
 class Zero2SGD(_ZeroOptimizer, SGD):
     """``SGD`` (same arguments) for a ``Zero2`` model: momentum and fp32 master sharded."""
 
-    stage, rule = 2, "SGD"
+    wrapper_cls, rule = Zero2, "SGD"

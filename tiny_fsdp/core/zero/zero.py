@@ -1,51 +1,25 @@
 """ZeRO-1 and ZeRO-2 model wrappers: replicated parameters in a flat buffer, sharded gradients.
 
-[Note: ZeRO-1/2 backward]
+[Note: ZeRO-1/2 wrapper]
 At wrap time the trainable parameters move into a flat parameter buffer ([Note: ZeRO flat
 layout]): ``param.data`` becomes a view of it, so layers compute with the full parameters through
-the default ``LOCAL_HANDLER``. Rank 0's parameters and buffers are broadcast. Each trainable
-parameter gets a ``register_post_accumulate_grad_hook``, called once per backward after autograd
-has accumulated the parameter's gradient (a tied parameter is one leaf: once, after both uses).
-
-- ZeRO-1 keeps a full gradient buffer (parameter dtype) and ``param.grad`` is the parameter's
-  view of it (a freshly allocated gradient is copied in), so no_sync micro-steps accumulate in
-  place. In a synchronised backward the hook leaves ``grad / N`` in the view; a complete bucket
-  is then reduced in place so that this rank's chunk holds the average. Only the owned chunks
-  are meaningful afterwards: ``param.grad`` is not guaranteed to be the average.
-- ZeRO-2 keeps only a gradient shard (``shard_numel``,). The hook copies ``param.grad / N`` into
-  a per-bucket staging buffer and sets ``param.grad = None``; a complete bucket is reduced at
-  once, its chunk lands in the shard and its staging buffer is dropped as soon as the collective
-  is done, so full-size gradients live bucket by bucket, never all at once.
-
-Buckets are launched strictly in bucket order (a bucket only after its predecessors), so the
-collectives of all ranks pair up whatever order gradients arrive in. With
-``enable_async_communication`` they are launched with ``async_op=True`` while backward goes on
-(finished ones are collected at every hook) and waited for once at the end of backward; without,
-each runs synchronously when its turn comes (ZeRO-1: at the end of backward). Same buckets, same
-data, same collectives: results are bitwise identical on and off.
-
-``_end_of_backward`` (queued on the autograd engine by the first hook) sends the buckets not
-launched yet: a parameter whose hook did not fire contributes its kept ``param.grad`` (no_sync
-accumulation) or zeros. Inside ``no_sync()`` nothing is communicated and full local gradients
-are kept (ZeRO-2 included); the next synchronised backward reduces the accumulated total.
-
-Reduced gradients must be cleared (``optimizer.zero_grad()`` or ``model.zero_grad()``) before
-the next backward: the reduction leaves nothing to accumulate onto, so a backward on reduced
-gradients raises instead of silently summing garbage. Limits (as DDP): the set of trainable
-parameters is fixed at wrap time; every rank must run backward through at least one trainable
-parameter in a synchronised step; a parameter without gradient on every rank gets a zero
-gradient (the optimizer still applies momentum / weight decay to it); no reentrant backward.
-Collectives: [Note: ZeRO collectives on gloo].
+the default ``LOCAL_HANDLER``. Rank 0's parameters and buffers are broadcast. Backward is the
+shared engine ([Note: bucketed backward]) over the layout's buckets; the stage is the gradient
+store the wrapper plugs in (``grad_store``, [Note: ZeRO gradient stores]): ``Zero1`` and
+``Zero2`` differ in that one line. The optimizer ([Note: ZeRO optimizer step]) asks the wrapper
+for this rank's pieces, their reduced gradients (``reduced_grad``) and the all-gather of the
+updated parameters. Collectives: [Note: ZeRO collectives on gloo].
 """
 
 import weakref
-from typing import Any, Callable, Dict, List, Mapping, Optional, Tuple
+from typing import Any, Dict, List, Mapping, Optional, Type
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
 from tiny_fsdp.core import comm
+from tiny_fsdp.core.bucketed_backward import BucketedBackward
 from tiny_fsdp.core.optim.base import STRATEGY_OF_PARAM
 from tiny_fsdp.core.precision import MixedPrecisionPolicy
 from tiny_fsdp.core.utils.dist import check_backend_device
@@ -59,10 +33,9 @@ from tiny_fsdp.core.zero.flat_buffer import (
     FlatLayout,
     Piece,
     gather_bucket,
-    reduce_bucket,
-    shard_chunk,
     shard_piece,
 )
+from tiny_fsdp.core.zero.grad_stores import FullGradBuffer, StagedGradShard, ZeroGradStore
 
 # Set on every parameter (trainable or frozen) of a ZeRO-wrapped module: a weak ref to the wrapper.
 _OWNER_ATTR = "_tiny_fsdp_zero_owner"
@@ -83,7 +56,7 @@ STRATEGY_OF_PARAM.append(_zero_strategy)
 
 
 class ZeroWrapper(DataParallelWrapper):
-    """Shared ZeRO-1/2 implementation; use ``Zero1`` or ``Zero2`` ([Note: ZeRO-1/2 backward]).
+    """Shared ZeRO-1/2 implementation; use ``Zero1`` or ``Zero2`` ([Note: ZeRO-1/2 wrapper]).
 
     Args:
         module: the model, on its final device; converted in place to tiny_fsdp layers.
@@ -104,12 +77,10 @@ class ZeroWrapper(DataParallelWrapper):
         params: the trainable parameters in layout order (backward order; tied ones once).
         layout: their ``FlatLayout``; ``owned_pieces``: layout index -> this rank's ``Piece``.
         param_buffer: ``FlatBuffer`` (numel,) whose views are the parameters' ``.data``.
-        grad_buffer: ZeRO-1's ``FlatBuffer`` of gradients (None for ZeRO-2).
-        grad_shard: ZeRO-2's reduced gradient shard (shard_numel,) (None for ZeRO-1).
-        grads_reduced: a synchronised backward reduced gradients not cleared since.
+        grad_store: the class of the gradient store, which makes the stage.
     """
 
-    stage: int = 0
+    grad_store: Optional[Type[ZeroGradStore]] = None
 
     def __init__(
         self,
@@ -126,7 +97,7 @@ class ZeroWrapper(DataParallelWrapper):
                 f"{type(self).__name__} reduces gradients in the parameters' dtype: use "
                 f"MixedPrecisionPolicy(param_dtype, reduce_dtype=None), got {mixed_precision}"
             )
-        if self.stage not in (1, 2):
+        if self.grad_store is None:
             raise TypeError("instantiate Zero1 or Zero2, not ZeroWrapper")
         if not bucket_cap_mb > 0:
             raise ValueError(f"bucket_cap_mb must be positive, got {bucket_cap_mb}")
@@ -175,152 +146,12 @@ class ZeroWrapper(DataParallelWrapper):
             for t in [p for _, p in named if not p.requires_grad] + list(self.module.buffers()):
                 comm.broadcast(t.detach(), src=0)
 
-        if self.stage == 1:
-            self.grad_buffer: Optional[FlatBuffer] = FlatBuffer(self.layout, dtype, device)
-            self.grad_shard: Optional[torch.Tensor] = None
-        else:
-            self.grad_buffer = None
-            self.grad_shard = torch.zeros(self.layout.shard_numel, dtype=dtype, device=device)
-        self.grads_reduced = False
+        self._grads = self.grad_store(self.params, self.layout, dtype, device, self.rank)
         self._optimizers: "weakref.WeakSet[Any]" = weakref.WeakSet()
-        self._reset_backward_state()
-
         owner = weakref.ref(self)
         for _, p in named:
             setattr(p, _OWNER_ATTR, owner)
-        self._hook_handles = [
-            p.register_post_accumulate_grad_hook(_grad_ready_hook(owner, i))
-            for i, p in enumerate(self.params)
-        ]
-
-    def forward(self, *args: Any, **kwargs: Any) -> Any:
-        if self._backward_active:  # the previous backward raised before its end callback
-            self._reset_backward_state()
-        return super().forward(*args, **kwargs)
-
-    # ------------------------------------------------------------------ backward machinery
-
-    def _reset_backward_state(self) -> None:
-        self._backward_active = False
-        self._sync = True
-        self._arrived = [0] * len(self.layout.buckets)
-        self._fired = [False] * len(self.params)
-        self._next_launch = 0
-        self._pending: List[Tuple[Any, int]] = []  # (PendingReduce, bucket) in flight
-        self._staging: List[Optional[torch.Tensor]] = [None] * len(self.layout.buckets)
-
-    def _on_grad_ready(self, index: int, param: nn.Parameter) -> None:
-        if not self._backward_active:
-            if self.grads_reduced:
-                raise RuntimeError(
-                    f"{type(self).__name__}: backward on gradients already reduced by a "
-                    "synchronised backward. Call optimizer.zero_grad() (or model.zero_grad()) "
-                    "between steps; to accumulate over micro-batches use model.no_sync()."
-                )
-            self._backward_active = True
-            self._sync = self.require_backward_grad_sync
-            torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
-        with torch.no_grad():
-            if self.stage == 1:
-                self._grad_into_buffer(index, param)
-            elif self._sync:
-                self._grad_into_staging(index, param)
-            if not self._sync:
-                return  # no_sync: keep the full local gradient (ZeRO-2: in param.grad)
-            self._fired[index] = True
-            self._arrived[self.layout.slots[index].bucket] += 1
-            if self.enable_async_communication or self.stage == 2:
-                # ZeRO-2 always reduces during backward: that is what frees full gradients.
-                self._launch_complete_buckets()
-
-    def _grad_into_buffer(self, index: int, param: nn.Parameter) -> None:
-        """ZeRO-1: make ``param.grad`` the parameter's view of the gradient buffer; in a
-        synchronised backward, the view then holds this rank's share ``grad / N``."""
-        view = self.grad_buffer.view(index)
-        fresh = param.grad is not None and param.grad.data_ptr() != view.data_ptr()
-        divide = self._sync and self.world_size > 1
-        if param.grad is None:
-            view.zero_()  # end of backward, unused parameter: contributes zeros
-        elif fresh and divide:
-            torch.div(param.grad, self.world_size, out=view)  # copy and divide in one pass
-        elif fresh:
-            view.copy_(param.grad)
-        elif divide:
-            view.div_(self.world_size)  # accumulated in place over no_sync micro-steps
-        param.grad = view
-
-    def _grad_into_staging(self, index: int, param: nn.Parameter) -> None:
-        """ZeRO-2: ``param.grad / N`` into the bucket's staging buffer; drop ``param.grad``."""
-        slot = self.layout.slots[index]
-        staging = self._staging[slot.bucket]
-        if staging is None:
-            bucket = self.layout.buckets[slot.bucket]
-            staging = torch.empty(bucket.numel, dtype=param.dtype, device=param.device)
-            end = self.layout.slots[bucket.slots[-1]]
-            staging[end.start + end.numel - bucket.start :].zero_()  # the padding
-            self._staging[slot.bucket] = staging
-        offset = slot.start - self.layout.buckets[slot.bucket].start
-        out = staging[offset : offset + slot.numel].view(slot.shape)
-        if param.grad is None:
-            out.zero_()
-        else:
-            torch.div(param.grad, self.world_size, out=out)  # copy and pre-divide in one pass
-        param.grad = None
-
-    def _launch_complete_buckets(self) -> None:
-        layout = self.layout
-        while self._next_launch < len(layout.buckets) and self._arrived[self._next_launch] == len(
-            layout.buckets[self._next_launch].slots
-        ):
-            self._launch(self._next_launch)
-            self._next_launch += 1
-        # Finish the reductions that are done (ZeRO-2: frees their staging) without waiting.
-        still = []
-        for work, b in self._pending:
-            if work.is_completed():
-                work.wait()
-                self._finish(b)
-            else:
-                still.append((work, b))
-        self._pending = still
-
-    def _launch(self, b: int) -> None:
-        """Reduce bucket ``b`` (this rank's gradient / N): this rank's chunk gets the sum."""
-        if self.stage == 1:
-            src, out = self.grad_buffer.bucket(b), self.grad_buffer.chunk(b, self.rank)
-        else:
-            src, out = self._staging[b], shard_chunk(self.grad_shard, self.layout, b)
-        pending = reduce_bucket(src, out, self.rank, self.enable_async_communication)
-        if self.enable_async_communication:
-            self._pending.append((pending, b))
-        else:
-            pending.wait()
-            self._finish(b)
-
-    def _finish(self, b: int) -> None:
-        """Bucket ``b``'s reduction is done: ZeRO-2 frees its staging buffer."""
-        if self.stage == 2:
-            self._staging[b] = None
-
-    def _end_of_backward(self) -> None:
-        try:
-            if not self._sync:
-                return
-            with torch.no_grad():
-                for index, p in enumerate(self.params):  # hooks that did not fire
-                    if not self._fired[index]:
-                        if self.stage == 1:
-                            self._grad_into_buffer(index, p)
-                        else:
-                            self._grad_into_staging(index, p)
-                        self._arrived[self.layout.slots[index].bucket] += 1
-                self._launch_complete_buckets()
-                for work, b in self._pending:
-                    work.wait()
-                    self._finish(b)
-            self.grads_reduced = True
-        finally:
-            self._reset_backward_state()
+        self._backward = BucketedBackward(self, self._grads)
 
     @torch.no_grad()
     def _master_pieces_before_cast(self) -> torch.Tensor:
@@ -344,9 +175,28 @@ class ZeroWrapper(DataParallelWrapper):
 
     # ------------------------------------------------------------------ used by the optimizer
 
+    @property
+    def stage(self) -> int:
+        """1 or 2: the label of the gradient store (for messages; nothing branches on it)."""
+        return self.grad_store.stage
+
+    @property
+    def grads_reduced(self) -> bool:
+        """A synchronised backward reduced gradients that were not cleared since."""
+        return self._grads.reduced
+
     def index_of(self, param: torch.Tensor) -> int:
         """Layout index of trainable parameter ``param`` (KeyError if it is not one)."""
         return self._index[id(param)]
+
+    def reduced_grad(self, piece: Piece) -> torch.Tensor:
+        """(piece.numel,) view of owned ``piece``'s averaged gradient after a synchronised
+        backward (valid until the next backward; updated in place)."""
+        return self._grads.reduced_grad(piece)
+
+    def register_optimizer(self, optimizer: Any) -> None:
+        """``optimizer`` updates this model: reload its masters after ``load_state_dict``."""
+        self._optimizers.add(optimizer)
 
     def all_gather_params(self) -> None:
         """Every rank's chunk of every bucket of the parameter buffer, to every rank (in place)."""
@@ -360,24 +210,24 @@ class ZeroWrapper(DataParallelWrapper):
             if work is not None:
                 work.wait()
 
-    @torch.no_grad()
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Clear the gradients (the reduced ones included) before the next backward.
 
-        ``set_to_none``: ``param.grad = None`` (ZeRO-1's buffer is then overwritten by the next
-        backward, not zeroed now). Otherwise ZeRO-1 zeroes its buffer and ``param.grad`` stays
-        a view of it. ZeRO-2's shard needs no clearing: the next reduction overwrites it.
+        ``set_to_none``: ``param.grad = None``. Otherwise ZeRO-1 zeroes its buffer and
+        ``param.grad`` stays a view of it; ZeRO-2 zeroes the ``param.grad`` it kept.
         """
-        if self.stage == 1 and not set_to_none:
-            self.grad_buffer.data.zero_()
-        for i, p in enumerate(self.params):
-            if set_to_none:
-                p.grad = None
-            elif self.stage == 1:
-                p.grad = self.grad_buffer.view(i)
-            elif p.grad is not None:
-                p.grad.zero_()
-        self.grads_reduced = False
+        self._grads.zero_grad(set_to_none)
+
+    # Read by core/memory.py (until strategies describe their own state).
+    @property
+    def grad_buffer(self) -> Optional[FlatBuffer]:
+        """ZeRO-1's full gradient buffer (None for ZeRO-2)."""
+        return self._grads.buffer if isinstance(self._grads, FullGradBuffer) else None
+
+    @property
+    def grad_shard(self) -> Optional[torch.Tensor]:
+        """ZeRO-2's reduced gradient shard (shard_numel,) (None for ZeRO-1)."""
+        return self._grads.shard if isinstance(self._grads, StagedGradShard) else None
 
     # ------------------------------------------------------------------ checkpoints
 
@@ -394,13 +244,13 @@ class ZeroWrapper(DataParallelWrapper):
 class Zero1(ZeroWrapper):
     """ZeRO-1: replicated parameters and gradients; the optimizer shards its state and master."""
 
-    stage = 1
+    grad_store = FullGradBuffer
 
 
 class Zero2(ZeroWrapper):
     """ZeRO-2: replicated parameters; gradients and optimizer state / master are sharded."""
 
-    stage = 2
+    grad_store = StagedGradShard
 
 
 def _live_owner(param: torch.Tensor, attr: str) -> bool:
@@ -409,13 +259,3 @@ def _live_owner(param: torch.Tensor, attr: str) -> bool:
         return False
     ref = getattr(param, attr)
     return callable(ref) and ref() is not None
-
-
-def _grad_ready_hook(owner: "weakref.ref[ZeroWrapper]", index: int) -> Callable[[Any], None]:
-    # Holds the wrapper weakly: a discarded wrapper does not live on through its hooks.
-    def hook(param: nn.Parameter) -> None:
-        wrapper = owner()
-        if wrapper is not None:
-            wrapper._on_grad_ready(index, param)
-
-    return hook

@@ -1,0 +1,216 @@
+"""The backward engine of DDP and ZeRO-1/2: hooks, bucket order, end of backward.
+
+[Note: bucketed backward]
+DDP, ZeRO-1 and ZeRO-2 reduce gradients in the same way and differ only in where a gradient is
+kept and what a bucket's reduction leaves behind. ``BucketedBackward`` is the shared part; a
+*gradient store* (``GradStore``) is the strategy's part: ``AllReduceBuckets`` (DDP, [Note: DDP
+backward]), ``FullGradBuffer`` (ZeRO-1) and ``StagedGradShard`` (ZeRO-2) ([Note: ZeRO gradient
+stores]).
+
+The store lists its trainable parameters (``params``; a tied parameter once, a frozen one never)
+and groups their indices into buckets (``bucket_members``), in launch order, the same on every
+rank. Each of those parameters gets a ``register_post_accumulate_grad_hook``: autograd calls it
+once per backward, after the parameter's gradient is fully accumulated into ``param.grad`` (a
+tied parameter is one leaf: once, after both uses). Hooks hold the engine weakly and the engine
+holds the wrapper weakly, so a discarded wrapper does not live on through its parameters.
+
+1. The first hook of a backward reads ``require_backward_grad_sync`` and
+   ``enable_async_communication`` for the whole backward, calls ``store.begin`` (which may refuse:
+   ZeRO raises on gradients already reduced) and queues ``_end_of_backward`` on the autograd
+   engine.
+2. Inside ``no_sync()`` a hook only calls ``store.keep_local``: nothing is communicated and the
+   gradients accumulate locally; the next synchronised backward reduces the accumulated total.
+3. In a synchronised backward a hook calls ``store.add`` (the gradient, divided by the world size,
+   into its bucket: a SUM reduction then leaves the average) and counts the arrival in the bucket.
+   With ``enable_async_communication``, or with a store that ``reduces_eagerly`` (ZeRO-2: that is
+   what frees the full gradients), every complete bucket whose predecessors are all launched is
+   launched now: asynchronously with ``enable_async_communication`` (the reductions overlap the
+   rest of backward; those already done are finished at each hook), else synchronously. Launching
+   strictly in bucket order makes the collectives of all ranks pair up whatever order their
+   gradients arrive in.
+4. ``_end_of_backward`` adds the parameters whose hook never fired (unused in this forward: the
+   store sends the ``param.grad`` kept from ``no_sync`` micro-steps, else zeros), so every rank
+   issues the same collectives; launches the buckets not launched yet, in order; finishes every
+   bucket; then calls ``store.end``.
+
+Results are bitwise identical with asynchronous communication on and off: same buckets, same
+data, same collectives in the same order; only when they run changes. If a backward raises before
+its end callback runs, the wrapper's next forward drops the half state (``store.reset``).
+
+Limits: every rank must run backward through at least one trainable parameter in a synchronised
+step (otherwise its end callback is never queued and the other ranks wait); the set of trainable
+parameters is fixed at wrap time; reentrant backward (``torch.utils.checkpoint`` with
+``use_reentrant=True``) would end the bucket cycle inside the inner backward and is not supported
+(``GPT2Model`` checkpoints with ``use_reentrant=False``).
+"""
+
+import weakref
+from typing import Any, Callable, List, Protocol, Sequence
+
+import torch
+from torch import nn
+
+
+class GradStore(Protocol):
+    """Where a strategy keeps gradients and how it reduces a bucket ([Note: bucketed backward]).
+
+    Attributes:
+        params: the trainable parameters; a parameter's index is its position here.
+        bucket_members: the parameter indices of each bucket, in launch order.
+        reduces_eagerly: reduce a complete bucket during backward even without asynchronous
+            communication (synchronously then).
+    """
+
+    params: Sequence[nn.Parameter]
+    bucket_members: Sequence[Sequence[int]]
+    reduces_eagerly: bool
+
+    def begin(self, sync: bool) -> None:
+        """The first hook of a backward fired (``sync``: it is a synchronised one)."""
+
+    def keep_local(self, index: int, param: nn.Parameter) -> None:
+        """``no_sync`` hook: the gradient stays on this rank, accumulating."""
+
+    def add(self, index: int, param: nn.Parameter) -> None:
+        """Take ``param.grad / world_size`` into the bucket (``param.grad`` None: zeros)."""
+
+    def launch(self, bucket: int, async_op: bool) -> None:
+        """Start the reduction of ``bucket`` (all its parameters added)."""
+
+    def is_done(self, bucket: int) -> bool:
+        """The launched reduction of ``bucket`` has completed (never blocks)."""
+
+    def finish(self, bucket: int) -> None:
+        """Wait for the reduction of ``bucket`` and put its result in place."""
+
+    def end(self) -> None:
+        """Every bucket of a synchronised backward is finished."""
+
+    def reset(self) -> None:
+        """Forget the progress of the current backward (also after a failed one)."""
+
+
+class BucketedBackward:
+    """Drive ``store`` through every backward of ``owner``'s model ([Note: bucketed backward]).
+
+    ``owner``: the wrapper, read for ``require_backward_grad_sync`` and
+    ``enable_async_communication``; its forward drops the state of a backward that raised.
+    """
+
+    def __init__(self, owner: nn.Module, store: GradStore) -> None:
+        self.store = store
+        self._owner = weakref.ref(owner)
+        self._bucket_of = [0] * len(store.params)  # parameter index -> bucket
+        for b, members in enumerate(store.bucket_members):
+            for index in members:
+                self._bucket_of[index] = b
+        self._sizes = [len(members) for members in store.bucket_members]
+        self._reset()
+        engine = weakref.ref(self)
+        self._hook_handles = [
+            p.register_post_accumulate_grad_hook(_grad_ready_hook(engine, index))
+            for index, p in enumerate(store.params)
+        ]
+        owner.register_forward_pre_hook(_drop_stale_state_hook(engine))
+
+    def _reset(self) -> None:
+        self._active = False  # a backward's first hook fired, its end callback has not run
+        self._sync = True  # this backward is synchronised
+        self._async = False  # this backward launches asynchronously
+        self._fired = [False] * len(self.store.params)
+        self._arrived = [0] * len(self._sizes)  # parameters added, per bucket
+        self._next_launch = 0  # buckets before this index are launched
+        self._in_flight: List[int] = []  # launched asynchronously, not finished yet
+        self.store.reset()
+
+    def _drop_stale_state(self) -> None:
+        if self._active:  # the previous backward raised before its end callback ran
+            self._reset()
+
+    def _on_grad_ready(self, index: int, param: nn.Parameter) -> None:
+        if not self._active:
+            owner = self._owner()
+            if owner is None:
+                return
+            sync = owner.require_backward_grad_sync
+            self.store.begin(sync)
+            self._active, self._sync = True, sync
+            self._async = owner.enable_async_communication
+            torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
+        with torch.no_grad():
+            if not self._sync:
+                self.store.keep_local(index, param)
+                return
+            self._add(index, param)
+            if self._async or self.store.reduces_eagerly:
+                self._launch_complete_buckets()
+                self._finish_completed()
+
+    def _add(self, index: int, param: nn.Parameter) -> None:
+        if self._fired[index]:
+            raise RuntimeError(
+                f"the gradient of trainable parameter {index} became ready twice in one backward "
+                "(reentrant backward is not supported)"
+            )
+        self.store.add(index, param)
+        self._fired[index] = True
+        self._arrived[self._bucket_of[index]] += 1
+
+    def _launch_complete_buckets(self) -> None:
+        """Launch, in order, the complete buckets that follow the last launched one."""
+        while (
+            self._next_launch < len(self._sizes)
+            and self._arrived[self._next_launch] == self._sizes[self._next_launch]
+        ):
+            b = self._next_launch
+            self.store.launch(b, async_op=self._async)
+            if self._async:
+                self._in_flight.append(b)
+            else:
+                self.store.finish(b)
+            self._next_launch += 1
+
+    def _finish_completed(self) -> None:
+        """Finish the asynchronous reductions that are done, without waiting for the others."""
+        running = []
+        for b in self._in_flight:
+            if self.store.is_done(b):
+                self.store.finish(b)
+            else:
+                running.append(b)
+        self._in_flight = running
+
+    def _end_of_backward(self) -> None:
+        try:
+            if not self._sync:
+                return
+            with torch.no_grad():
+                for index, p in enumerate(self.store.params):
+                    if not self._fired[index]:  # unused in this forward: zeros or kept grads
+                        self._add(index, p)
+                self._launch_complete_buckets()  # all complete now
+                for b in self._in_flight:
+                    self.store.finish(b)
+            self.store.end()
+        finally:
+            self._reset()
+
+
+def _grad_ready_hook(
+    engine: "weakref.ref[BucketedBackward]", index: int
+) -> Callable[[nn.Parameter], None]:
+    def hook(param: nn.Parameter) -> None:
+        live = engine()
+        if live is not None:
+            live._on_grad_ready(index, param)
+
+    return hook
+
+
+def _drop_stale_state_hook(engine: "weakref.ref[BucketedBackward]") -> Callable[..., None]:
+    def hook(module: nn.Module, args: Any) -> None:
+        live = engine()
+        if live is not None:
+            live._drop_stale_state()
+
+    return hook

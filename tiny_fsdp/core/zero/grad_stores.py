@@ -1,0 +1,239 @@
+"""The gradient stores of ZeRO-1 and ZeRO-2: what the backward engine fills and reduces.
+
+[Note: ZeRO gradient stores]
+``Zero1`` and ``Zero2`` run the shared engine ([Note: bucketed backward]) over the buckets of the
+flat layout ([Note: ZeRO flat layout]) and differ only in the store they plug in:
+
+- ``FullGradBuffer`` (ZeRO-1) keeps a full gradient buffer (``layout.numel``,) and ``param.grad``
+  is the parameter's view of it (a freshly allocated gradient is copied in), so ``no_sync``
+  micro-steps accumulate in place. A synchronised hook leaves ``grad / N`` in the view; bucket b's
+  reduction then leaves the average in this rank's chunk of b. Only the owned chunks are
+  meaningful afterwards: ``param.grad`` is not guaranteed to be the average. Without asynchronous
+  communication every bucket is reduced at the end of backward.
+- ``StagedGradShard`` (ZeRO-2) keeps only a gradient shard (``shard_numel``,). A synchronised hook
+  copies ``param.grad / N`` into its bucket's staging buffer and sets ``param.grad = None``; a
+  complete bucket is reduced at once (``reduces_eagerly``), its chunk lands in the shard and its
+  staging buffer is dropped as soon as the collective is done, so full-size gradients live bucket
+  by bucket, never all at once. Inside ``no_sync()`` the full local ``param.grad`` is kept.
+
+Both stores give the optimizer the reduced gradient of each owned piece (``reduced_grad``) and
+clear gradients for it (``zero_grad``). The reduction leaves nothing to accumulate onto, so a
+backward on reduced gradients (no ``zero_grad`` since the last synchronised backward) raises
+instead of silently summing garbage. A parameter without a gradient on every rank gets a zero
+gradient (the optimizer still applies momentum / weight decay to it).
+"""
+
+from abc import ABC, abstractmethod
+from typing import Any, Dict, List, Optional, Sequence
+
+import torch
+from torch import nn
+
+from tiny_fsdp.core.zero.flat_buffer import (
+    FlatBuffer,
+    FlatLayout,
+    PendingReduce,
+    Piece,
+    reduce_bucket,
+    shard_chunk,
+    shard_piece,
+)
+
+
+class ZeroGradStore(ABC):
+    """What ZeRO-1 and ZeRO-2 share: buckets of ``layout``, reductions, the reduced flag.
+
+    Subclasses say where a gradient goes (``keep_local``, ``add``), what a bucket's reduction
+    reads and writes (``_source``, ``_out``) and what ``finish`` frees.
+
+    Attributes:
+        stage: the ZeRO stage this store implements (a label: nothing branches on it).
+        params: the trainable parameters in layout order.
+        reduced: a synchronised backward reduced gradients that were not cleared since.
+    """
+
+    stage = 0
+    reduces_eagerly = False
+
+    def __init__(
+        self,
+        params: Sequence[nn.Parameter],
+        layout: FlatLayout,
+        dtype: torch.dtype,
+        device: torch.device,
+        rank: int,
+    ) -> None:
+        self.params: List[nn.Parameter] = list(params)
+        self.layout = layout
+        self.bucket_members = [bucket.slots for bucket in layout.buckets]
+        self.dtype, self.device, self.rank = dtype, device, rank
+        self.world_size = layout.world_size
+        self.reduced = False
+        self._pending: Dict[int, PendingReduce] = {}  # bucket -> reduction in flight
+
+    def begin(self, sync: bool) -> None:
+        if self.reduced:
+            raise RuntimeError(
+                f"Zero{self.stage}: backward on gradients already reduced by a synchronised "
+                "backward. Call optimizer.zero_grad() (or model.zero_grad()) between steps; to "
+                "accumulate over micro-batches use model.no_sync()."
+            )
+
+    def launch(self, bucket: int, async_op: bool) -> None:
+        """Sum ``bucket`` (every rank's gradient / N) over ranks: this rank's chunk of the
+        average lands in ``_out(bucket)``."""
+        self._pending[bucket] = reduce_bucket(
+            self._source(bucket), self._out(bucket), self.rank, async_op
+        )
+
+    def is_done(self, bucket: int) -> bool:
+        return self._pending[bucket].is_completed()
+
+    def finish(self, bucket: int) -> None:
+        self._pending.pop(bucket).wait()
+
+    def end(self) -> None:
+        self.reduced = True
+
+    def reset(self) -> None:
+        self._pending = {}
+
+    @torch.no_grad()
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Clear the gradients (the reduced ones included) before the next backward."""
+        self._clear(set_to_none)
+        self.reduced = False
+
+    # ------------------------------------------------------------------ per stage
+
+    @abstractmethod
+    def keep_local(self, index: int, param: nn.Parameter) -> None:
+        """``no_sync`` hook: the full local gradient stays, accumulating."""
+
+    @abstractmethod
+    def add(self, index: int, param: nn.Parameter) -> None:
+        """``param.grad / N`` into its bucket's ``_source`` (``param.grad`` None: zeros)."""
+
+    @abstractmethod
+    def reduced_grad(self, piece: Piece) -> torch.Tensor:
+        """(piece.numel,) view of ``piece``'s averaged gradient after a synchronised backward."""
+
+    @abstractmethod
+    def _source(self, bucket: int) -> torch.Tensor:
+        """(N * chunk,) what the reduction of ``bucket`` sums over ranks."""
+
+    @abstractmethod
+    def _out(self, bucket: int) -> torch.Tensor:
+        """(chunk,) where this rank's chunk of the sum of ``bucket`` lands."""
+
+    @abstractmethod
+    def _clear(self, set_to_none: bool) -> None:
+        """Clear the gradients this store keeps (see ``zero_grad``)."""
+
+
+class FullGradBuffer(ZeroGradStore):
+    """ZeRO-1: ``buffer`` (``layout.numel``,) holds every gradient; ``param.grad`` views it."""
+
+    stage = 1
+
+    def __init__(self, *args: Any) -> None:  # ZeroGradStore's arguments
+        super().__init__(*args)
+        self.buffer = FlatBuffer(self.layout, self.dtype, self.device)
+
+    def keep_local(self, index: int, param: nn.Parameter) -> None:
+        self._into_view(index, param, divide=False)
+
+    def add(self, index: int, param: nn.Parameter) -> None:
+        self._into_view(index, param, divide=self.world_size > 1)
+
+    def _into_view(self, index: int, param: nn.Parameter, divide: bool) -> None:
+        """Make ``param.grad`` the parameter's view of the buffer, holding ``grad / N`` if
+        ``divide`` (``param.grad`` None: zeros)."""
+        view = self.buffer.view(index)
+        fresh = param.grad is not None and param.grad.data_ptr() != view.data_ptr()
+        if param.grad is None:
+            view.zero_()  # end of backward, unused parameter: contributes zeros
+        elif fresh and divide:
+            torch.div(param.grad, self.world_size, out=view)  # copy and divide in one pass
+        elif fresh:
+            view.copy_(param.grad)
+        elif divide:
+            view.div_(self.world_size)  # accumulated in place over no_sync micro-steps
+        param.grad = view
+
+    def reduced_grad(self, piece: Piece) -> torch.Tensor:
+        return self.buffer.piece(piece)
+
+    def _source(self, bucket: int) -> torch.Tensor:
+        return self.buffer.bucket(bucket)
+
+    def _out(self, bucket: int) -> torch.Tensor:
+        return self.buffer.chunk(bucket, self.rank)
+
+    def _clear(self, set_to_none: bool) -> None:
+        # set_to_none: the buffer is overwritten by the next backward, not zeroed now.
+        if not set_to_none:
+            self.buffer.data.zero_()
+        for i, p in enumerate(self.params):
+            p.grad = None if set_to_none else self.buffer.view(i)
+
+
+class StagedGradShard(ZeroGradStore):
+    """ZeRO-2: ``shard`` (``layout.shard_numel``,) holds this rank's reduced gradients; full
+    gradients pass through one staging buffer (bucket numel,) per bucket being reduced."""
+
+    stage = 2
+    reduces_eagerly = True  # reducing during backward is what frees the full gradients
+
+    def __init__(self, *args: Any) -> None:  # ZeroGradStore's arguments
+        super().__init__(*args)
+        self.shard = torch.zeros(self.layout.shard_numel, dtype=self.dtype, device=self.device)
+        self._staging: List[Optional[torch.Tensor]] = [None] * len(self.layout.buckets)
+
+    def keep_local(self, index: int, param: nn.Parameter) -> None:
+        pass  # autograd accumulates into the full param.grad
+
+    def add(self, index: int, param: nn.Parameter) -> None:
+        """``param.grad / N`` into the bucket's staging buffer; drop ``param.grad``."""
+        slot = self.layout.slots[index]
+        bucket = self.layout.buckets[slot.bucket]
+        staging = self._staging[slot.bucket]
+        if staging is None:
+            staging = torch.empty(bucket.numel, dtype=self.dtype, device=self.device)
+            end = self.layout.slots[bucket.slots[-1]]
+            staging[end.start + end.numel - bucket.start :].zero_()  # the padding
+            self._staging[slot.bucket] = staging
+        offset = slot.start - bucket.start
+        out = staging[offset : offset + slot.numel].view(slot.shape)
+        if param.grad is None:
+            out.zero_()
+        else:
+            torch.div(param.grad, self.world_size, out=out)  # copy and pre-divide in one pass
+        param.grad = None
+
+    def finish(self, bucket: int) -> None:
+        super().finish(bucket)
+        self._staging[bucket] = None
+
+    def reset(self) -> None:
+        super().reset()
+        self._staging = [None] * len(self.layout.buckets)
+
+    def reduced_grad(self, piece: Piece) -> torch.Tensor:
+        return shard_piece(self.shard, piece)
+
+    def _source(self, bucket: int) -> torch.Tensor:
+        staging = self._staging[bucket]
+        assert staging is not None, "every parameter of a bucket is added before its launch"
+        return staging
+
+    def _out(self, bucket: int) -> torch.Tensor:
+        return shard_chunk(self.shard, self.layout, bucket)
+
+    def _clear(self, set_to_none: bool) -> None:
+        # The shard needs no clearing: the next reduction overwrites it.
+        for p in self.params:
+            if set_to_none:
+                p.grad = None
+            elif p.grad is not None:
+                p.grad.zero_()
