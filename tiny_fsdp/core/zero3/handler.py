@@ -86,11 +86,10 @@ class PendingBroadcast:
     works: list
     nbytes: int  # bytes of the received (non-owned) buffers
 
-    def wait(self) -> Params:
+    def wait(self) -> None:
         for work in self.works:
             work.wait()
         self.works = []
-        return self.full
 
 
 class Zero3Runtime(Prefetcher):
@@ -205,10 +204,12 @@ class Zero3Handler(ParamHandler):
         return PendingBroadcast(tuple(full_params), works, nbytes)
 
     def wait_for_unshard(self, pending: PendingBroadcast) -> None:
+        """Wait for the broadcasts; ``fetch`` hands out their buffers until ``reshard``."""
         pending.wait()
         self._in_use.append(pending)
 
     def discard(self, pending: PendingBroadcast) -> None:
+        """Forget a prefetch that will not be used, once its broadcasts have finished."""
         pending.wait()
         self.runtime.stats.live_bytes -= pending.nbytes
 
