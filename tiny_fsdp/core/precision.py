@@ -32,7 +32,7 @@ import torch
 from torch import nn
 
 from tiny_fsdp.core.module.base import CallbackModule
-from tiny_fsdp.core.module.handler import ParamHandler, Params
+from tiny_fsdp.core.module.handler import ParamHandler, Params, TrainingPhase
 
 _LOW_PRECISION = (torch.float16, torch.bfloat16)
 _INPUT_HOOK_ATTR = "_tiny_fsdp_mp_input_hook"
@@ -112,7 +112,7 @@ class MixedPrecisionHandler(ParamHandler):
     def __init__(self, policy: MixedPrecisionPolicy) -> None:
         self.policy = policy
 
-    def fetch(self, module: nn.Module, phase: str) -> Params:
+    def fetch(self, module: nn.Module, phase: TrainingPhase) -> Params:
         local = super().fetch(module, phase)
         return cast_params(local, self.policy.param_dtype)
 

@@ -51,9 +51,9 @@ class FSDP(DataParallelWrapper):
         world_size, rank: default to the default process group's; if given they must match it.
         reshard_after_forward: free full parameters after each layer's forward (default) or
             keep them until its backward (less communication, more memory).
-        enable_async_communication: prefetch the next layers' all-gathers ([Note: FSDP
-            prefetch]); also settable as an attribute. Results are bitwise the same.
-        prefetch_limit: at most this many prefetched gathers unconsumed at once.
+        enable_async_communication: prefetch the next units' all-gathers ([Note: prefetch]);
+            also settable as an attribute (read at each forward). Results are bitwise the same.
+        prefetch_limit: at most this many prefetched gathers unconsumed at once (>= 1).
         sync_module_states: broadcast every full tensor from rank 0 before sharding it.
         device: where to materialise ``meta`` tensors (default: the current CUDA device with
             NCCL, else CPU) and where shards live (default: each parameter's device).
@@ -81,10 +81,8 @@ class FSDP(DataParallelWrapper):
     ) -> None:
         require_process_group(type(self).__name__)
         world_size, rank = _check_group(world_size, rank)
-        # Created before the base __init__, which sets the switches that forward to it.
-        self._state = FSDPState(
-            world_size, rank, reshard_after_forward, enable_async_communication, prefetch_limit
-        )
+        # Created before the base __init__, which sets a switch that forwards to it.
+        self._state = FSDPState(world_size, rank, reshard_after_forward, prefetch_limit)
         super().__init__(module, enable_async_communication, mixed_precision)
         self._state.policy = mixed_precision
         check_no_shared_storage(self.module, "FSDP")
@@ -102,15 +100,7 @@ class FSDP(DataParallelWrapper):
         """The gather units, in module order ([Note: gather units])."""
         return list(self._state.units)
 
-    # Switches live in the shared state, where the units and handlers read them.
-    @property
-    def enable_async_communication(self) -> bool:
-        return self._state.enable_async
-
-    @enable_async_communication.setter
-    def enable_async_communication(self, value: bool) -> None:
-        self._state.enable_async = bool(value)
-
+    # A switch the handlers read during backward lives in the shared state.
     @property
     def require_backward_grad_sync(self) -> bool:
         return self._state.require_grad_sync
@@ -132,11 +122,11 @@ class FSDP(DataParallelWrapper):
         return self._state.rank
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        self._state.begin_forward(torch.is_grad_enabled())
+        self._state.pre_forward(self.enable_async_communication, torch.is_grad_enabled())
         try:
             return self.module(*args, **kwargs)
         finally:
-            self._state.end_forward()
+            self._state.post_forward()
 
     # ---------------------------------------------------------------- memory
     def memory_stats(self) -> Dict[str, int]:

@@ -5,7 +5,7 @@ Each wrapped layer gets one ``FSDPHandler``; its parameters are dim-0 shards ([N
 shards]).
 
 - ``fetch`` / ``release``: delegated to the layer's ``GatherUnit`` ([Note: gather units]),
-  which all-gathers the unit before its first layer computes and frees it after its last one.
+  which unshards the unit before its first layer computes and reshards it after its last one.
 - ``reduce_grads``: lay the layer's full gradients out as every rank's padded shard (a
   (world_size, numel) rank-major buffer), divide by world_size and reduce-scatter: a SUM of
   pre-divided gradients is the average, on any backend. Slices of the result are the shard
@@ -31,7 +31,7 @@ from tiny_fsdp.core import comm
 from tiny_fsdp.core.fsdp.sharded_param import ShardedParam, shard_info
 from tiny_fsdp.core.fsdp.state import FSDPState
 from tiny_fsdp.core.fsdp.unit import GatherUnit
-from tiny_fsdp.core.module.handler import ParamHandler, Params
+from tiny_fsdp.core.module.handler import ParamHandler, Params, TrainingPhase
 
 Member = Tuple[int, ShardedParam]  # (slot in module.param_names, shard geometry)
 
@@ -64,10 +64,10 @@ class FSDPHandler(ParamHandler):
         }
         self._acc: Dict[int, Tuple[Tuple[int, ...], torch.Tensor]] = {}  # no_sync grad sums
 
-    def fetch(self, module: nn.Module, phase: str) -> Params:
-        return self.unit.acquire(module, phase)
+    def fetch(self, module: nn.Module, phase: TrainingPhase) -> Params:
+        return self.unit.fetch(module, phase)
 
-    def release(self, module: nn.Module, phase: str) -> None:
+    def release(self, module: nn.Module, phase: TrainingPhase) -> None:
         self.unit.release(module, phase)
 
     def reduce_grads(self, module: nn.Module, grads: Params) -> Params:

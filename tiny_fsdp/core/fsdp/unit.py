@@ -10,11 +10,12 @@ at once. ``FSDP(unit=...)`` offers three:
 - a list of modules (e.g. the transformer blocks): all layers inside one listed module form a
   unit; layers outside every listed module form one more unit, the "root" (FSDP2's layout).
 
-A unit is gathered when the first of its layers fetches and stays gathered until every one of
-its layers has released it in that pass; a parameter that appears in several of its layers (a
-tied weight) is gathered once, and its gradient reduced once ([Note: tied reduction]). Other
-gradients are reduce-scattered per layer (``handler.py``), because a layer's backward must hand
-its shard gradients to autograd before it returns.
+A unit is unsharded (all-gathered) when the first of its layers fetches and stays full until
+every one of its layers has released it in that pass, then resharded ([Note: glossary]); a
+parameter that appears in several of its layers (a tied weight) is gathered once, and its
+gradient reduced once ([Note: tied reduction]). Other gradients are reduce-scattered per layer
+(``handler.py``), because a layer's backward must hand its shard gradients to autograd before it
+returns.
 
 A single-tensor collective yields the full tensor as a view of the gathered buffer; a
 multi-tensor one is laid out rank-major (rank r's shards of every tensor, then rank r+1's), so
@@ -42,14 +43,17 @@ from tiny_fsdp.core.fsdp.sharded_param import ShardedParam, shard_info
 from tiny_fsdp.core.fsdp.state import FSDPState
 from tiny_fsdp.core.fsdp.tied import TiedReduction
 from tiny_fsdp.core.module.base import CallbackModule
-from tiny_fsdp.core.module.handler import Params
+from tiny_fsdp.core.module.handler import Params, TrainingPhase
 
 # One collective per entry: (work or None, output (world * numel,), input kept alive until done).
-Gathered = List[Tuple[Optional[object], torch.Tensor, torch.Tensor]]
+PendingGather = List[Tuple[Optional[object], torch.Tensor, torch.Tensor]]
 
 
 class GatherUnit:
-    """Gathers, holds and frees the full parameters of ``layers`` ([Note: gather units])."""
+    """Unshards, holds and reshards the full parameters of ``layers`` ([Note: gather units]).
+
+    Implements the prefetcher's ``Unit`` verbs ([Note: prefetch]) with all-gathers of shards.
+    """
 
     def __init__(
         self, name: str, layers: Sequence[nn.Module], state: FSDPState, per_tensor: bool = False
@@ -57,37 +61,54 @@ class GatherUnit:
         self.name = name
         self.state = state
         self.layers = list(layers)
-        unique: Dict[int, nn.Parameter] = {}
+        shards: Dict[int, nn.Parameter] = {}  # the local parameters, each once
         for layer in self.layers:
             for param_name in layer.param_names:
                 param = getattr(layer, param_name)
                 if param is not None:
                     if shard_info(param) is None:
                         raise ValueError(f"{name}: {param_name} of {layer} is not an FSDP shard")
-                    unique.setdefault(id(param), param)
+                    shards.setdefault(id(param), param)
         # A collective has one dtype: tensors of one dtype travel together (or each alone).
         groups: Dict[object, List[nn.Parameter]] = {}
-        for param in unique.values():
+        for param in shards.values():
             groups.setdefault(len(groups) if per_tensor else param.dtype, []).append(param)
         self.groups: List[List[nn.Parameter]] = list(groups.values())
         self.tied = TiedReduction(self.layers, state)  # parameters several layers here use
         self._full: Optional[Dict[int, torch.Tensor]] = None  # id(shard param) -> full tensor
-        self._held_bytes = 0
-        self._released: set = set()  # ids of the layers done with the held parameters
+        self._full_bytes = 0
+        self._released: set = set()  # ids of the layers done with the full parameters
 
     def gathered_numel(self) -> int:
         """Elements of the padded all-gather outputs of one gather of this unit."""
         world = self.state.world_size
         return sum(world * shard_info(p).shard_numel for group in self.groups for p in group)
 
+    # ---------------------------------------------------------------- layer seam
+    def fetch(self, layer: nn.Module, phase: TrainingPhase) -> Params:
+        """The full parameters of ``layer`` (unsharding the unit unless it is full)."""
+        self.state.fetch(self, phase)
+        return tuple(
+            None if p is None else self._full[id(p)]
+            for p in (getattr(layer, n) for n in layer.param_names)
+        )
+
+    def release(self, layer: nn.Module, phase: TrainingPhase) -> None:
+        """``layer`` is done; reshard once all layers are (unless kept, see ``FSDPState``)."""
+        if phase is TrainingPhase.FORWARD and self.state.keeps_after_forward(self):
+            return
+        self._released.add(id(layer))
+        if len(self._released) == len(self.layers):
+            self.reshard()
+
+    # ---------------------------------------------------------------- unit verbs
     @property
-    def is_held(self) -> bool:
+    def is_unsharded(self) -> bool:
         return self._full is not None
 
-    # ---------------------------------------------------------------- all-gather
-    def issue_gather(self, async_op: bool) -> Gathered:
+    def unshard(self, async_op: bool) -> PendingGather:
         """Start (or run) one all-gather per group; counted in the state's gathered bytes."""
-        gathered: Gathered = []
+        pending: PendingGather = []
         for group in self.groups:
             shards = [param.detach().reshape(-1) for param in group]
             flat = shards[0] if len(shards) == 1 else torch.cat(shards)  # (group_numel,)
@@ -96,26 +117,20 @@ class GatherUnit:
             out = flat.new_empty(self.state.world_size * flat.numel())  # (world * group_numel,)
             work = comm.all_gather(out, flat, async_op=async_op)
             self.state.track_gathered(_nbytes(out))
-            gathered.append((work, out, flat))
-        return gathered
+            pending.append((work, out, flat))
+        return pending
 
-    def discard(self, gathered: Gathered) -> None:
-        """Forget a prefetch that will not be used, once its collective has finished."""
-        for work, out, _ in gathered:
-            if work is not None:
-                work.wait()
-            self.state.track_gathered(-_nbytes(out))
-
-    def _unpack(self, gathered: Gathered) -> None:
+    def wait_for_unshard(self, pending: PendingGather) -> None:
+        """Wait for the all-gathers; keep each parameter's full tensor (view or copy-out)."""
         world = self.state.world_size
         full: Dict[int, torch.Tensor] = {}
-        held = 0
-        for group, (work, out, _) in zip(self.groups, gathered):
+        full_bytes = 0
+        for group, (work, out, _) in zip(self.groups, pending):
             if work is not None:
                 work.wait()
             if len(group) == 1:
                 full[id(group[0])] = shard_info(group[0]).full_view(out)  # view: no copy
-                held += _nbytes(out)
+                full_bytes += _nbytes(out)
                 continue
             infos: List[ShardedParam] = [shard_info(p) for p in group]
             grid = out.view(world, sum(i.shard_numel for i in infos))  # row r: rank r's shards
@@ -124,38 +139,26 @@ class GatherUnit:
                 tensor = out.new_empty(info.full_shape)
                 info.copy_out(grid[:, offset : offset + info.shard_numel], tensor)
                 self.state.track_gathered(_nbytes(tensor))
-                held += _nbytes(tensor)
+                full_bytes += _nbytes(tensor)
                 full[id(param)] = tensor
                 offset += info.shard_numel
             self.state.track_gathered(-_nbytes(out))  # the rank-major buffer dies here
-        self._full, self._held_bytes = full, held
+        self._full, self._full_bytes = full, full_bytes
+        self._released.clear()
 
-    # ---------------------------------------------------------------- fetch / release
-    def acquire(self, layer: nn.Module, phase: str) -> Params:
-        """The full parameters of ``layer`` (gathering the unit unless it is held)."""
-        if self._full is None:
-            gathered = self.state.take_prefetched(self)
-            self._unpack(gathered if gathered is not None else self.issue_gather(async_op=False))
-            self._released.clear()
-        self.state.after_fetch(self, phase)
-        return tuple(
-            None if p is None else self._full[id(p)]
-            for p in (getattr(layer, n) for n in layer.param_names)
-        )
+    def discard(self, pending: PendingGather) -> None:
+        """Forget a prefetch that will not be used, once its collective has finished."""
+        for work, out, _ in pending:
+            if work is not None:
+                work.wait()
+            self.state.track_gathered(-_nbytes(out))
 
-    def release(self, layer: nn.Module, phase: str) -> None:
-        """``layer`` is done; free the unit once all its layers are (unless kept, see state)."""
-        if phase == "forward" and self.state.keeps_after_forward(self):
-            return
-        self._released.add(id(layer))
-        if len(self._released) == len(self.layers):
-            self.drop()
-
-    def drop(self) -> None:
+    def reshard(self) -> None:
+        """Free the full parameters (back to shards only)."""
         if self._full is not None:
             self._full = None
-            self.state.track_gathered(-self._held_bytes)
-            self._held_bytes = 0
+            self.state.track_gathered(-self._full_bytes)
+            self._full_bytes = 0
         self._released.clear()
 
 

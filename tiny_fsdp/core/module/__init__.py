@@ -4,7 +4,7 @@ from tiny_fsdp.core.module.base import CallbackFunction, CallbackModule
 from tiny_fsdp.core.module.conv import Conv1d, Conv2d
 from tiny_fsdp.core.module.embedding import Embedding
 from tiny_fsdp.core.module.fallback import FallbackModule, make_fallback_wrapper
-from tiny_fsdp.core.module.handler import LOCAL_HANDLER, ParamHandler
+from tiny_fsdp.core.module.handler import LOCAL_HANDLER, ParamHandler, TrainingPhase
 from tiny_fsdp.core.module.layernorm import LayerNorm
 from tiny_fsdp.core.module.linear import Linear
 from tiny_fsdp.core.module.registry import (
@@ -27,6 +27,7 @@ __all__ = [
     "LOCAL_HANDLER",
     "ParamHandler",
     "RMSNorm",
+    "TrainingPhase",
     "UnsupportedModuleError",
     "WRAPPERS",
     "convert_module",

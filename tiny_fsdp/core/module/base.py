@@ -5,17 +5,18 @@ A wrapper such as ``tiny_fsdp.core.module.Linear`` is a subclass of the ``torch.
 same constructor, parameters and ``state_dict`` keys. Its ``forward`` calls ``cls.function``, an
 ``autograd.Function`` made once when the wrapper class is defined. That Function:
 
-1. forward: ``ctx.params = handler.fetch(module, "forward")``, then
-   ``out = module.forward_callback(ctx, *inputs)``, then ``handler.release(module, "forward")``;
-2. backward: ``ctx.params = handler.fetch(module, "backward")``, then
+1. forward: ``ctx.params = handler.fetch(module, FORWARD)``, then
+   ``out = module.forward_callback(ctx, *inputs)``, then ``handler.release(module, FORWARD)``;
+2. backward: ``ctx.params = handler.fetch(module, BACKWARD)``, then
    ``grad_inputs, grad_params = module.backward_callback(ctx, grad_output)``, then
-   ``handler.release(module, "backward")`` and
+   ``handler.release(module, BACKWARD)`` and
    ``handler.reduce_grads(module, grad_params)`` gives the local parameters' gradients.
 
-``ctx.params`` holds the full parameters only for the duration of one callback, so a strategy that
-frees them after use is never defeated by a stray reference. ``ctx.param_needs_grad`` says which
-parameter gradients are wanted (frozen parameters and absent biases get ``None``). The layer math
-lives only in the callbacks; strategies only provide the handler (see [Note: param handler]).
+``FORWARD`` and ``BACKWARD`` are the members of ``TrainingPhase``. ``ctx.params`` holds the full
+parameters only for the duration of one callback, so a strategy that frees them after use is never
+defeated by a stray reference. ``ctx.param_needs_grad`` says which parameter gradients are wanted
+(frozen parameters and absent biases get ``None``). The layer math lives only in the callbacks;
+strategies only provide the handler (see [Note: param handler]).
 """
 
 from typing import Any, Optional, Tuple
@@ -23,7 +24,7 @@ from typing import Any, Optional, Tuple
 import torch
 from torch import nn
 
-from tiny_fsdp.core.module.handler import LOCAL_HANDLER, ParamHandler
+from tiny_fsdp.core.module.handler import LOCAL_HANDLER, ParamHandler, TrainingPhase
 
 
 class CallbackFunction(torch.autograd.Function):
@@ -35,24 +36,24 @@ class CallbackFunction(torch.autograd.Function):
         handler = module.param_handler
         ctx.module = module
         ctx.param_needs_grad = tuple(p is not None and p.requires_grad for p in local_params)
-        ctx.params = handler.fetch(module, "forward")
+        ctx.params = handler.fetch(module, TrainingPhase.FORWARD)
         try:
             out = module.forward_callback(ctx, *args[:n_inputs])
         finally:
             del ctx.params
-            handler.release(module, "forward")
+            handler.release(module, TrainingPhase.FORWARD)
         return out
 
     @staticmethod
     def backward(ctx: Any, grad_output: torch.Tensor) -> Tuple[Optional[torch.Tensor], ...]:
         module = ctx.module
         handler = module.param_handler
-        ctx.params = handler.fetch(module, "backward")
+        ctx.params = handler.fetch(module, TrainingPhase.BACKWARD)
         try:
             grad_inputs, grad_params = module.backward_callback(ctx, grad_output)
         finally:
             del ctx.params
-            handler.release(module, "backward")
+            handler.release(module, TrainingPhase.BACKWARD)
         local_grads = handler.reduce_grads(module, tuple(grad_params))
         return (None, None, *grad_inputs, *local_grads)
 

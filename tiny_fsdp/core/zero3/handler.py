@@ -3,12 +3,14 @@
 [Note: zero3 tensor life cycle]
 Every parameter has one owner rank (the partition table). The owner's ``param.data`` is the full
 tensor; on every other rank it is an empty ``(0,)`` tensor of the same dtype and device, and the
-full shape is kept in ``param._tiny_fsdp_zero3`` (a ``TensorInfo``). For each layer call:
+full shape is kept in ``param._tiny_fsdp_zero3`` (a ``TensorInfo``). Each layer is a *unit*
+([Note: glossary]) and its handler implements the prefetcher's verbs ([Note: prefetch]):
 
-- ``fetch``: the owner broadcasts its tensor; the other ranks receive it into fresh buffers
-  (the owner computes with its own tensor, no copy).
-- ``release``: the buffers are dropped. Nothing else holds them (the layer callbacks save
-  inputs, never weights), so they are freed; ``Zero3Runtime.stats`` counts them.
+- ``fetch``: ``unshard``: the owner broadcasts its tensor; the other ranks receive it into fresh
+  buffers (the owner computes with its own tensor, no copy). Every use broadcasts afresh: a
+  layer is never kept full between uses (``is_unsharded`` is always False).
+- ``release``: ``reshard``: the buffers are dropped. Nothing else holds them (the layer
+  callbacks save inputs, never weights), so they are freed; ``Zero3Runtime.stats`` counts them.
 - ``reduce_grads``: each rank divides its full gradient by N and SUM-reduces it to the owner,
   which returns it to autograd (accumulated into ``param.grad``); the others return None. A
   tied parameter is fetched and reduced by both of its layers; autograd sums the two parts.
@@ -23,16 +25,10 @@ fp32 tensor (received buffers are ``param_dtype``: half the bytes with bf16), th
 reduced in ``reduce_dtype`` and autograd accumulates the owner's result into the fp32
 ``param.grad``. The ``no_sync`` buffer is kept in the parameter's dtype (fp32), like ``.grad``.
 
-[Note: zero3 prefetch]
-A *pass* starts at ``Zero3.forward`` and covers every fetch until the next one (forward, then
-backward, including the forward recomputation of gradient checkpointing). The first pass of
-each kind (grad mode, checkpointing) records its sequence of layer fetches; with async
-communication on, later passes issue the broadcasts of the next ``prefetch_depth`` layers of
-the recorded sequence (``async_op=True``) before the current layer computes, so at most
-``prefetch_depth + 1`` layers are fetched at once. Every rank runs the same program, so every
-rank takes the same decisions and issues the same collectives in the same order. A pass that
-leaves the script (another layer than recorded) waits for and discards what is in flight,
-stops prefetching, and its own sequence replaces the recorded one. Results are bitwise equal
+Prefetch ([Note: prefetch]): with async communication on, a fetch issues the broadcasts of the
+next ``prefetch_limit`` layers of the recorded order (``async_op=True``), so at most
+``prefetch_limit + 1`` layers are fetched at once outside gradient checkpointing (whose
+recomputation nests a layer's forward fetch inside its backward one). Results are bitwise equal
 with and without prefetching: the same tensors are broadcast and the same math runs.
 """
 
@@ -45,9 +41,10 @@ from torch import nn
 
 from tiny_fsdp.core import comm
 from tiny_fsdp.core.module import ParamHandler
-from tiny_fsdp.core.module.handler import Params
+from tiny_fsdp.core.module.handler import Params, TrainingPhase
 from tiny_fsdp.core.optim.base import STRATEGY_OF_PARAM
 from tiny_fsdp.core.precision import MixedPrecisionPolicy
+from tiny_fsdp.core.prefetch import Prefetcher
 
 ATTR = "_tiny_fsdp_zero3"  # name of the TensorInfo attribute put on each managed Parameter
 STRATEGY_OF_PARAM.append(lambda p: "Zero3" if hasattr(p, ATTR) else None)  # plain optimizers
@@ -82,86 +79,36 @@ class FetchStats:
 
 
 @dataclass
-class _Fetch:
+class PendingBroadcast:
     """One layer's full parameters, possibly still arriving (``works`` not yet waited)."""
 
-    params: Params
+    full: Params
     works: list
     nbytes: int  # bytes of the received (non-owned) buffers
 
-    def wait(self) -> Params:
+    def wait(self) -> None:
         for work in self.works:
             work.wait()
         self.works = []
-        return self.params
 
 
-class Zero3Runtime:
-    """State shared by all layer handlers of one ``Zero3`` model ([Note: zero3 prefetch])."""
+class Zero3Runtime(Prefetcher):
+    """State shared by all layer handlers of one ``Zero3`` model: prefetch, stats, no_sync sums."""
 
     def __init__(
         self,
         rank: int,
         world_size: int,
-        prefetch_depth: int,
+        prefetch_limit: int,
         policy: Optional[MixedPrecisionPolicy] = None,
     ) -> None:
+        super().__init__(prefetch_limit)
         self.rank = rank
         self.world_size = world_size
-        self.prefetch_depth = prefetch_depth
         self.policy = policy
         self.stats = FetchStats()
         self.sync_grads = True  # set per pass from require_backward_grad_sync
         self.accumulated: Dict[int, torch.Tensor] = {}  # id(param) -> no_sync gradient sum
-        self._recorded: Dict[tuple, List["Zero3Handler"]] = {}
-        self._key: tuple = ()
-        self._script: Optional[List["Zero3Handler"]] = None  # sequence being followed
-        self._off_script = False
-        self._seen: List["Zero3Handler"] = []  # sequence of this pass
-        self._in_flight: Dict[int, _Fetch] = {}  # position in the pass -> prefetch
-        # id(handler) -> fetches being computed with, innermost last. A layer can be fetched
-        # twice at once: its backward reads its saved input, which makes gradient checkpointing
-        # recompute the block, this layer's forward included, inside that backward.
-        self._in_use: Dict[int, List[_Fetch]] = {}
-
-    def begin_pass(self, key: tuple, prefetch: bool, sync_grads: bool) -> None:
-        """Start a pass of kind ``key``: close the previous one, pick this one's script."""
-        self._drain()
-        if self._seen and (self._key not in self._recorded or self._off_script):
-            self._recorded[self._key] = self._seen  # first pass of its kind, or off script
-        self._key, self._seen, self._off_script = key, [], False
-        self._script = self._recorded.get(key) if prefetch else None
-        self.sync_grads = sync_grads
-
-    def fetch(self, handler: "Zero3Handler") -> Params:
-        pos = len(self._seen)
-        self._seen.append(handler)
-        script = self._script
-        if script is not None and (pos >= len(script) or script[pos] is not handler):
-            self._drain()  # off script: the same on every rank, so collectives stay matched
-            self._script, self._off_script = None, True
-        current = self._in_flight.pop(pos, None)
-        if current is None:
-            current = handler.start_fetch(async_op=False)
-        if self._script is not None:
-            for ahead in range(pos + 1, min(pos + 1 + self.prefetch_depth, len(self._script))):
-                if ahead not in self._in_flight:
-                    self._in_flight[ahead] = self._script[ahead].start_fetch(async_op=True)
-        self._in_use.setdefault(id(handler), []).append(current)
-        return current.wait()
-
-    def release(self, handler: "Zero3Handler") -> None:
-        stack = self._in_use.get(id(handler))
-        if stack:
-            self.stats.live_bytes -= stack.pop().nbytes
-            if not stack:
-                del self._in_use[id(handler)]
-
-    def _drain(self) -> None:
-        for pending in self._in_flight.values():
-            pending.wait()
-            self.stats.live_bytes -= pending.nbytes
-        self._in_flight.clear()
 
     def reduce_grad(self, param: nn.Parameter, grad: torch.Tensor) -> Optional[torch.Tensor]:
         """Full ``grad`` of ``param`` -> the owner's share of the average; None elsewhere."""
@@ -202,26 +149,41 @@ class Zero3Runtime:
 
 
 class Zero3Handler(ParamHandler):
-    """Param handler of one layer under ZeRO-3 ([Note: zero3 tensor life cycle])."""
+    """Param handler of one layer under ZeRO-3, and its unit ([Note: zero3 tensor life cycle])."""
 
     def __init__(self, runtime: Zero3Runtime) -> None:
         self.runtime = runtime
         self.module: Optional[nn.Module] = None  # set by ``attach``
+        # Fetches being computed with, innermost last. A layer can be fetched twice at once:
+        # its backward reads its saved input, which makes gradient checkpointing recompute the
+        # block, this layer's forward included, inside that backward.
+        self._in_use: List[PendingBroadcast] = []
 
     def attach(self, module: nn.Module) -> "Zero3Handler":
         self.module = module
         module.param_handler = self
         return self
 
-    def start_fetch(self, async_op: bool) -> _Fetch:
-        """Issue this layer's broadcasts; the result is valid after ``_Fetch.wait()``."""
+    # ---------------------------------------------------------------- layer seam
+    def fetch(self, module: nn.Module, phase: TrainingPhase) -> Params:
+        self.runtime.fetch(self, phase)
+        return self._in_use[-1].full
+
+    def release(self, module: nn.Module, phase: TrainingPhase) -> None:
+        self.reshard()
+
+    # ---------------------------------------------------------------- unit verbs
+    is_unsharded = False  # every use broadcasts afresh: nothing is kept full between uses
+
+    def unshard(self, async_op: bool) -> PendingBroadcast:
+        """Issue this layer's broadcasts; the result is valid after ``wait_for_unshard``."""
         rt = self.runtime
-        params: List[Optional[torch.Tensor]] = []
+        full_params: List[Optional[torch.Tensor]] = []
         works, nbytes = [], 0
         for name in self.module.param_names:
             local = getattr(self.module, name)
             if local is None:  # absent bias
-                params.append(None)
+                full_params.append(None)
                 continue
             info: TensorInfo = getattr(local, ATTR)
             dtype = local.dtype if rt.policy is None else rt.policy.param_dtype
@@ -238,14 +200,23 @@ class Zero3Handler(ParamHandler):
                 work = comm.broadcast(full, src=info.owner, async_op=async_op)
                 if work is not None:
                     works.append(work)
-            params.append(full)
-        return _Fetch(tuple(params), works, nbytes)
+            full_params.append(full)
+        return PendingBroadcast(tuple(full_params), works, nbytes)
 
-    def fetch(self, module: nn.Module, phase: str) -> Params:
-        return self.runtime.fetch(self)
+    def wait_for_unshard(self, pending: PendingBroadcast) -> None:
+        """Wait for the broadcasts; ``fetch`` hands out their buffers until ``reshard``."""
+        pending.wait()
+        self._in_use.append(pending)
 
-    def release(self, module: nn.Module, phase: str) -> None:
-        self.runtime.release(self)
+    def discard(self, pending: PendingBroadcast) -> None:
+        """Forget a prefetch that will not be used, once its broadcasts have finished."""
+        pending.wait()
+        self.runtime.stats.live_bytes -= pending.nbytes
+
+    def reshard(self) -> None:
+        """Drop the innermost fetch's buffers."""
+        if self._in_use:
+            self.runtime.stats.live_bytes -= self._in_use.pop().nbytes
 
     def reduce_grads(self, module: nn.Module, grads: Params) -> Params:
         out: List[Optional[torch.Tensor]] = []

@@ -7,9 +7,9 @@ tensor in its place. Layers receive full parameters by broadcast from the owners
 they compute, in forward and again in backward, and gradients are reduced to the owners (see
 ``handler.py``). Per rank, between steps: owned parameters + owned gradients + owned optimizer
 state; during a step, in addition, the parameters of the layer being computed (and of the
-``prefetch_depth`` next ones with async communication). Traffic per step and rank, ring model:
-3 (N-1)/N x model bytes (two broadcasts and one reduce per use of a tensor; a tied tensor is
-used twice), 1.5 x DDP's all-reduce (2 (N-1)/N).
+``prefetch_limit`` next ones with async communication, [Note: prefetch]). Traffic per step and
+rank, ring model: 3 (N-1)/N x model bytes (two broadcasts and one reduce per use of a tensor; a
+tied tensor is used twice), 1.5 x DDP's all-reduce (2 (N-1)/N).
 
 Limits: every rank must call the same layers in the same order (no data-dependent skipping of
 layers: the broadcasts and reduces of all ranks must pair up). Gradient sync is decided when
@@ -17,6 +17,7 @@ layers: the broadcasts and reduces of all ranks must pair up). Gradient sync is 
 ``no_sync()`` must get a gradient in the next synchronised backward too, which reduces it.
 """
 
+import warnings
 from collections import OrderedDict
 from typing import Any, Dict, List, Mapping, Optional, Tuple
 
@@ -43,9 +44,11 @@ class Zero3(DataParallelWrapper):
         param_part_table: name -> owner rank for every ``module.named_parameters()`` name, as
             returned by ``zero3_partition_tensors``; its ``ranks_map`` device (if given) is
             where this rank's tensors live.
-        enable_async_communication: prefetch the next layers' broadcasts ([Note: zero3
-            prefetch]); results are bitwise identical on and off.
-        prefetch_depth: how many layers ahead async communication fetches (>= 1).
+        enable_async_communication: prefetch the next layers' broadcasts ([Note: prefetch]);
+            also settable as an attribute (read at each forward). Results are bitwise identical
+            on and off.
+        prefetch_limit: at most this many prefetched layers unconsumed at once (>= 1).
+        prefetch_depth: deprecated name of ``prefetch_limit``.
         sync_module_states: broadcast every tensor from rank 0 first (normal models only), so
             ranks built with different seeds cannot disagree.
         mixed_precision: owners broadcast ``param_dtype`` copies and gradients are reduced in
@@ -59,14 +62,22 @@ class Zero3(DataParallelWrapper):
         param_part_table: Mapping[str, int],
         enable_async_communication: bool = False,
         *,
-        prefetch_depth: int = 2,
+        prefetch_limit: int = 2,
         sync_module_states: bool = False,
         mixed_precision: Optional[MixedPrecisionPolicy] = None,
+        prefetch_depth: Optional[int] = None,
     ) -> None:
         super().__init__(module, enable_async_communication, mixed_precision)
-        if prefetch_depth < 1:
-            raise ValueError(f"prefetch_depth must be >= 1, got {prefetch_depth}")
+        if prefetch_depth is not None:
+            warnings.warn(
+                "Zero3(prefetch_depth=...) is deprecated; use prefetch_limit=... (same meaning, "
+                "the name FSDP uses)",
+                DeprecationWarning,
+                stacklevel=2,
+            )
+            prefetch_limit = prefetch_depth
         rank, world_size = dist.get_rank(), dist.get_world_size()
+        self._runtime = Zero3Runtime(rank, world_size, prefetch_limit, mixed_precision)
         named = list(self.module.named_parameters())  # tied parameters appear once
         check_no_shared_storage(self.module, "Zero3")
         check_table(param_part_table, named, world_size, "Zero3", _aliases(self.module))
@@ -80,7 +91,6 @@ class Zero3(DataParallelWrapper):
             )
         self.param_part_table = param_part_table
         self.device = _choose_device(param_part_table, named, rank)  # move inputs here
-        self._runtime = Zero3Runtime(rank, world_size, prefetch_depth, mixed_precision)
         self._materialize(named, self.device, sync_module_states)
         for layer in self.module.modules():
             if isinstance(layer, CallbackModule):
@@ -92,8 +102,13 @@ class Zero3(DataParallelWrapper):
         return self._runtime.stats
 
     @property
+    def prefetch_limit(self) -> int:
+        return self._runtime.prefetch_limit
+
+    @property
     def prefetch_depth(self) -> int:
-        return self._runtime.prefetch_depth
+        """Deprecated name of ``prefetch_limit``."""
+        return self._runtime.prefetch_limit
 
     @property
     def no_sync_bytes(self) -> int:
@@ -103,12 +118,12 @@ class Zero3(DataParallelWrapper):
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         # Gradient sync is decided at forward time, like torch DDP: a forward run inside
         # no_sync() accumulates in its backward even if backward runs outside the block.
-        self._runtime.begin_pass(
-            key=(torch.is_grad_enabled(), self.gradient_checkpointing),
-            prefetch=self.enable_async_communication,
-            sync_grads=self.require_backward_grad_sync,
-        )
-        return self.module(*args, **kwargs)
+        self._runtime.sync_grads = self.require_backward_grad_sync
+        self._runtime.pre_forward(self.enable_async_communication, torch.is_grad_enabled())
+        try:
+            return self.module(*args, **kwargs)
+        finally:
+            self._runtime.post_forward()
 
     @torch.no_grad()
     def _materialize(

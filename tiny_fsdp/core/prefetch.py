@@ -1,0 +1,171 @@
+"""The prefetcher FSDP and ZeRO-3 share: record the order of units, unshard the next ones early.
+
+[Note: prefetch]
+FSDP and ZeRO-3 make a *unit*'s parameters full just before one of its layers computes, in
+forward and again in backward ([Note: glossary]). What differs is how: FSDP all-gathers dim-0
+shards, ZeRO-3 broadcasts whole tensors from their owners. Each strategy's unit (FSDP's
+``GatherUnit``, ZeRO-3's per-layer handler) plugs that in through one verb set (``Unit``):
+``unshard(async_op)`` issues the collectives and returns a pending handle, ``wait_for_unshard``
+waits for it (the unit is then full), ``discard`` waits for one nobody will use and frees it,
+``reshard`` frees the full parameters. Everything else is written once, here.
+
+A pass is a wrapper forward (the FORWARD part) and every fetch after it until the next one (the
+BACKWARD part: the backward, with the forward fetches that gradient checkpointing runs inside
+it). Only passes whose forward has grad enabled have a BACKWARD part.
+
+- Order. The first wrapper forward records its units in fetch order (a unit fetched by several
+  layers in a row counts once): the forward order. The first BACKWARD part records its own;
+  until one has run, the backward order is guessed as the forward order by last fetch,
+  reversed (backward visits layers in reverse, so a unit is first needed at its last forward
+  use), and the fetches of a recomputation, which the guess does not know, prefetch nothing.
+- Prefetch. With the wrapper's ``enable_async_communication``, a fetch of the unit at position
+  i of its part's order unshards the units at i+1 .. i+``prefetch_limit`` asynchronously, at
+  most ``prefetch_limit`` of them unconsumed at any time, so that they travel while unit i
+  computes; the next fetch of such a unit waits for its pending unshard instead of issuing one.
+  In a forward with grad enabled the backward order continues the forward one, so the last
+  forward fetches already prefetch the first backward units. Every rank makes the same
+  decisions from the same order, so the collectives stay matched.
+
+Rules that keep results (and the collectives' count and bytes) identical with prefetch on and
+off:
+
+- A pending unshard is only consumed within the pass that issued it: the next forward first
+  discards whatever is left (e.g. a unit whose backward never ran), because the optimizer step
+  may have changed the parameters since.
+- The position in the order is searched forward from the last position, so a unit that is
+  skipped or repeated does not derail the pass, and one that runs out of order just gets no
+  prefetch. A unit that is already full is not prefetched.
+"""
+
+from typing import Any, Dict, List, Optional, Protocol
+
+from tiny_fsdp.core.module.handler import TrainingPhase
+
+FORWARD, BACKWARD = TrainingPhase.FORWARD, TrainingPhase.BACKWARD
+
+
+class Unit(Protocol):
+    """What a strategy plugs into the prefetcher ([Note: prefetch]); hashable."""
+
+    @property
+    def is_unsharded(self) -> bool:
+        """Whether the unit holds full parameters a fetch can use as they are."""
+
+    def unshard(self, async_op: bool) -> Any:
+        """Issue the collectives that make the parameters full; return the pending handle."""
+
+    def wait_for_unshard(self, pending: Any) -> None:
+        """Wait for ``pending``; afterwards the unit holds its full parameters."""
+
+    def discard(self, pending: Any) -> None:
+        """Wait for ``pending``, which no fetch will use, and free what it brought."""
+
+    def reshard(self) -> None:
+        """Free the full parameters the unit holds."""
+
+
+class Prefetcher:
+    """Order recording and bounded prefetch for the units of one model ([Note: prefetch]).
+
+    Each strategy's per-model state subclasses it; the wrapper's forward calls ``pre_forward``
+    and ``post_forward`` around the model, a unit's layer calls ``fetch`` before computing.
+
+    Attributes:
+        prefetch_limit: at most this many prefetched unshards unconsumed at once (>= 1).
+        orders: part of the pass -> its recorded order of units (the backward one guessed
+            until a backward has run).
+    """
+
+    def __init__(self, prefetch_limit: int) -> None:
+        if prefetch_limit < 1:
+            raise ValueError(f"prefetch_limit must be >= 1, got {prefetch_limit}")
+        self.prefetch_limit = prefetch_limit
+        self.orders: Dict[TrainingPhase, List[Unit]] = {}
+        self._prefetch = False  # the wrapper's async switch, read at each forward
+        self._in_forward = False
+        self._grad_forward = False  # the last wrapper forward had grad enabled: backward follows
+        self._recording: Dict[TrainingPhase, List[Unit]] = {}  # part -> its fetches so far
+        self._backward_guessed = False  # orders[BACKWARD] is the forward's, reversed
+        self._cursor = {FORWARD: 0, BACKWARD: 0}
+        self._pending: Dict[Unit, Any] = {}  # unit -> its prefetched, unconsumed unshard
+
+    # ---------------------------------------------------------------- passes
+    def pre_forward(self, prefetch: bool, grad_enabled: bool) -> None:
+        """A wrapper forward starts: discard stale prefetches, close the last pass's recording."""
+        self.drain()
+        backward = self._recording.pop(BACKWARD, None)
+        if backward:  # the first BACKWARD part that ran: its order replaces the guess
+            self.orders[BACKWARD] = backward
+            self._backward_guessed = False
+        self._prefetch = prefetch
+        self._in_forward = True
+        self._grad_forward = grad_enabled
+        self._cursor = {FORWARD: 0, BACKWARD: 0}
+        if FORWARD not in self.orders:
+            self._recording[FORWARD] = []
+
+    def post_forward(self) -> None:
+        """The wrapper forward is over (its backward may follow)."""
+        self._in_forward = False
+        forward = self._recording.pop(FORWARD, None)
+        if forward is not None:
+            self.orders[FORWARD] = forward
+            self.orders[BACKWARD] = list(dict.fromkeys(reversed(forward)))  # by last fetch
+            self._backward_guessed = True
+        if self._backward_guessed and self._grad_forward:
+            self._recording[BACKWARD] = []
+
+    def drain(self) -> None:
+        """Wait for and discard every prefetched unshard not consumed yet."""
+        for unit, pending in self._pending.items():
+            unit.discard(pending)
+        self._pending.clear()
+
+    # ---------------------------------------------------------------- fetch
+    def fetch(self, unit: Unit, phase: TrainingPhase) -> None:
+        """Make ``unit`` full (its prefetch, or a blocking unshard), then prefetch what follows."""
+        if not unit.is_unsharded:
+            pending = self.take_prefetched(unit)
+            unit.wait_for_unshard(unit.unshard(async_op=False) if pending is None else pending)
+        if self._in_forward:
+            self._after_fetch(unit, FORWARD)
+        elif self._grad_forward:  # backward, or a recomputation inside it
+            guessed = self._backward_guessed and phase is FORWARD
+            self._after_fetch(unit, BACKWARD, prefetch=not guessed)
+
+    def take_prefetched(self, unit: Unit) -> Optional[Any]:
+        """The pending unshard of ``unit`` issued by a prefetch (now consumed), or None."""
+        return self._pending.pop(unit, None)
+
+    def _after_fetch(self, unit: Unit, part: TrainingPhase, prefetch: bool = True) -> None:
+        """Record ``unit`` in ``part``'s order if it is being recorded; prefetch what follows."""
+        recording = self._recording.get(part)
+        if recording is not None and (not recording or recording[-1] is not unit):
+            recording.append(unit)
+        order = self.orders.get(part)
+        if not (self._prefetch and prefetch) or order is None:
+            return
+        cursor = self._cursor[part]
+        if cursor and order[cursor - 1] is unit:
+            return  # another layer of the unit at the current position
+        position = _find(order, unit, cursor)
+        if position is None:
+            return  # not a new unit of this pass (or out of order): nothing to prefetch
+        self._cursor[part] = position + 1
+        ahead = order[position + 1 : position + 1 + self.prefetch_limit]
+        if part is FORWARD and self._grad_forward:  # the backward comes next: its first units
+            ahead += self.orders[BACKWARD][: self.prefetch_limit - len(ahead)]
+        for upcoming in ahead:
+            if len(self._pending) >= self.prefetch_limit:
+                break
+            if upcoming.is_unsharded or upcoming in self._pending:
+                continue
+            self._pending[upcoming] = upcoming.unshard(async_op=True)
+
+
+def _find(order: List[Unit], unit: Unit, start: int) -> Optional[int]:
+    """Index of ``unit`` in ``order[start:]``, or None (never earlier: no prefetching twice)."""
+    for index in range(start, len(order)):
+        if order[index] is unit:
+            return index
+    return None
