@@ -23,7 +23,7 @@ import pytest
 import torch
 from torch import nn
 
-from example.benchmark import PHASES
+from example.bench.runner import PHASES
 from tests.harness import run_distributed
 from tests.parity import global_batch, lm_loss, local_slice, make_model
 from tiny_fsdp.core.comm import LEDGER
