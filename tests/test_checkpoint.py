@@ -23,6 +23,7 @@ from torch import nn
 
 from example.model import GPT2Model, GPTConfigs
 from example.strategies import decayed_names, param_groups
+from tests.build import adamw, build, sgd
 from tests.harness import run_distributed
 from tests.parity import global_batch, lm_loss, local_slice
 from tiny_fsdp.checkpoint import (
@@ -38,47 +39,17 @@ from tiny_fsdp.core.module import convert_module
 CFG = dataclasses.replace(GPTConfigs.gpt2_tiny, dropout=0.1)
 BATCH_PER_RANK, SEQ_LEN = 2, 8
 StateT = Tuple[Dict[str, torch.Tensor], Dict[str, Dict[str, Any]]]  # (params, optimizer state)
+OPTIMIZERS = {"adamw": adamw(lr=1e-3), "sgd": sgd(lr=0.05, momentum=0.9)}
 
 
-def build(strategy: str, optim: str, world_size: int, seed: int) -> Tuple[nn.Module, Any]:
+def build_gpt(strategy: str, optim: str, seed: int) -> Tuple[nn.Module, Any]:
     """A GPT-2 tiny under ``strategy`` with two param groups (decay / no decay)."""
     torch.manual_seed(seed)
     plain = GPT2Model(CFG)
     decay = decayed_names(plain)
-    if strategy == "single":
-        from tiny_fsdp.core.optim import SGD, AdamW
-
-        model, classes = convert_module(plain), (AdamW, SGD)
-        named = model.named_parameters()
-    elif strategy == "zero3":
-        from tiny_fsdp.core import zero3
-
-        parts, _ = zero3.zero3_partition_tensors(
-            dict(plain.named_parameters()), ["cpu"] * world_size
-        )
-        model = zero3.Zero3(plain, parts)
-        named, classes = model.module.named_parameters(), (zero3.Zero3AdamW, zero3.Zero3SGD)
-        groups = param_groups(named, decay, 0.1)
-        return model, _make(classes, optim, groups, param_part_table=parts)
-    else:
-        from tiny_fsdp.core import ddp, fsdp, zero
-
-        wrapper, classes = {
-            "ddp": (ddp.DDP, (ddp.DDPAdamW, ddp.DDPSGD)),
-            "zero1": (zero.Zero1, (zero.Zero1AdamW, zero.Zero1SGD)),
-            "zero2": (zero.Zero2, (zero.Zero2AdamW, zero.Zero2SGD)),
-            "fsdp": (fsdp.FSDP, (fsdp.FSDPAdamW, fsdp.FSDPSGD)),
-        }[strategy]
-        model = wrapper(plain)
-        named = model.named_parameters()
-    return model, _make(classes, optim, param_groups(named, decay, 0.1))
-
-
-def _make(classes, optim: str, groups: List[dict], **kw) -> Any:
-    adamw, sgd = classes
-    if optim == "sgd":
-        return sgd(groups, lr=0.05, momentum=0.9, **kw)
-    return adamw(groups, lr=1e-3, **kw)
+    return build(
+        strategy, plain, OPTIMIZERS[optim], groups=lambda named: param_groups(named, decay, 0.1)
+    )
 
 
 def train(model: nn.Module, optimizer: Any, steps: range, rank: int, world: int) -> List[float]:
@@ -164,7 +135,7 @@ def _stage(
     rank: int, world: int, strategy: str, optim: str, kind: str, load: Optional[str], save: str
 ) -> Tuple[StateT, Optional[dict]]:
     """Build (seeded differently per stage), then train 3 steps or load; save; full state."""
-    model, optimizer = build(strategy, optim, world, seed=world)
+    model, optimizer = build_gpt(strategy, optim, seed=world)
     info = None
     if load is None:
         train(model, optimizer, range(3), rank, world)
@@ -191,7 +162,7 @@ def test_move_between_strategies_and_world_sizes(chain, tmp_path) -> None:
     for state, strategy in zip(states[1:], strategies[1:]):
         assert_same(states[0], state, f"{strategies[0]}@2 -> {strategy}")
     # And without a process group, into a plain single-device model.
-    model, optimizer = build("single", optim, 1, seed=5)
+    model, optimizer = build_gpt("single", optim, seed=5)
     load_checkpoint(load, model, optimizer)
     assert_same(states[0], full_state("single", model, optimizer), "-> one device")
 
@@ -200,19 +171,19 @@ def test_move_between_strategies_and_world_sizes(chain, tmp_path) -> None:
 
 
 def _resume(rank: int, world: int, strategy: str, optim: str, kind: str, path: str) -> dict:
-    model, optimizer = build(strategy, optim, world, seed=0)
+    model, optimizer = build_gpt(strategy, optim, seed=0)
     torch.manual_seed(1000 + rank)  # per-rank dropout streams
     straight = train(model, optimizer, range(10), rank, world)
     expected = full_state(strategy, model, optimizer)
 
-    model, optimizer = build(strategy, optim, world, seed=0)
+    model, optimizer = build_gpt(strategy, optim, seed=0)
     torch.manual_seed(1000 + rank)
     first = train(model, optimizer, range(5), rank, world)
     save_checkpoint(
         path, model, optimizer, step=5, extra={"note": "half"}, sharded=kind == "sharded"
     )
     del model, optimizer
-    model, optimizer = build(strategy, optim, world, seed=123)  # fresh, other values and RNG
+    model, optimizer = build_gpt(strategy, optim, seed=123)  # fresh, other values and RNG
     info = load_checkpoint(path, model, optimizer)
     assert (info["step"], info["extra"], info["rng_restored"]) == (5, {"note": "half"}, True)
     second = train(model, optimizer, range(info["step"], 10), rank, world)
@@ -251,7 +222,7 @@ def test_resume_is_exact_on_one_device_without_process_group(kind, tmp_path) -> 
 
 
 def test_full_checkpoint_is_plain_pytorch(tmp_path) -> None:
-    model, optimizer = build("single", "adamw", 1, seed=0)
+    model, optimizer = build_gpt("single", "adamw", seed=0)
     train(model, optimizer, range(2), 0, 1)
     save_checkpoint(str(tmp_path), model, optimizer, step=2)
     saved = torch.load(full_checkpoint_file(str(tmp_path)))  # weights_only=True by default
@@ -312,7 +283,7 @@ DAMAGES = {  # how -> what the message must say
 @pytest.mark.parametrize("kind", ["full", "sharded"])
 @pytest.mark.parametrize("how", list(DAMAGES))
 def test_damaged_checkpoint_raises_a_clear_error(how, kind, tmp_path) -> None:
-    model, optimizer = build("single", "adamw", 1, seed=0)
+    model, optimizer = build_gpt("single", "adamw", seed=0)
     train(model, optimizer, range(1), 0, 1)
     save_checkpoint(str(tmp_path), model, optimizer, step=1, sharded=kind == "sharded")
     _damage(str(tmp_path), how)
@@ -321,7 +292,7 @@ def test_damaged_checkpoint_raises_a_clear_error(how, kind, tmp_path) -> None:
 
 
 def test_checkpoint_of_another_model_is_refused(tmp_path) -> None:
-    model, optimizer = build("single", "adamw", 1, seed=0)
+    model, optimizer = build_gpt("single", "adamw", seed=0)
     save_checkpoint(str(tmp_path), model, None, step=0)
     other = convert_module(GPT2Model(dataclasses.replace(CFG, n_embd=20, n_head=2)))
     with pytest.raises(CheckpointError, match="shape"):
@@ -346,7 +317,7 @@ def _failing_save(original_save):
 @pytest.mark.parametrize("kind", ["full", "sharded"])
 def test_failed_save_keeps_the_previous_checkpoint(kind, tmp_path, monkeypatch) -> None:
     path = str(tmp_path)
-    model, optimizer = build("single", "adamw", 1, seed=0)
+    model, optimizer = build_gpt("single", "adamw", seed=0)
     train(model, optimizer, range(1), 0, 1)
     save_checkpoint(path, model, optimizer, step=1, sharded=kind == "sharded")
     good_files = _data_files(path)
@@ -357,7 +328,7 @@ def test_failed_save_keeps_the_previous_checkpoint(kind, tmp_path, monkeypatch) 
         save_checkpoint(path, model, optimizer, step=2, sharded=kind == "sharded")
     monkeypatch.undo()
     assert sorted(os.listdir(path)) == sorted(good_files + ["checkpoint.json"])  # no leftovers
-    fresh, fresh_optimizer = build("single", "adamw", 1, seed=9)
+    fresh, fresh_optimizer = build_gpt("single", "adamw", seed=9)
     assert load_checkpoint(path, fresh, fresh_optimizer)["step"] == 1
     assert_same(expected, full_state("single", fresh, fresh_optimizer), "after a failed save")
     # The next successful save replaces it and removes its files.
@@ -368,7 +339,7 @@ def test_failed_save_keeps_the_previous_checkpoint(kind, tmp_path, monkeypatch) 
 def _rank_failures(rank: int, world: int, path: str) -> List[str]:
     """A save failing on rank 1 only, then a shard damaged: every rank raises, nobody hangs."""
     messages = []
-    model, optimizer = build("fsdp", "adamw", world, seed=0)
+    model, optimizer = build_gpt("fsdp", "adamw", seed=0)
     train(model, optimizer, range(1), rank, world)
     save_checkpoint(path, model, optimizer, step=1, sharded=True)
     expected = full_state("fsdp", model, optimizer)

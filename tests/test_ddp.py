@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from example.model import GPTConfigs
+from tests.build import adamw, build, sgd
 from tests.harness import run_distributed
 from tests.parity import (
     PARAM_ATOL,
@@ -44,15 +45,9 @@ PARITY_CASES = [
 # PARAM_ATOL (measured: <= 1.1e-5), lr=1e-2 would not (1e-4).
 ADAM_LR = 1e-3
 OPTIMIZERS = {
-    "adamw": (
-        lambda params: DDPAdamW(params, lr=ADAM_LR, weight_decay=0.1),
-        lambda params: torch.optim.AdamW(params, lr=ADAM_LR, weight_decay=0.1),
-    ),
+    "adamw": adamw(lr=ADAM_LR, weight_decay=0.1),
     # SGD, unlike Adam, is not invariant to the gradient's scale: it catches a wrong average.
-    "sgd": (
-        lambda params: DDPSGD(params, lr=0.5, momentum=0.9),
-        lambda params: torch.optim.SGD(params, lr=0.5, momentum=0.9),
-    ),
+    "sgd": sgd(lr=0.5, momentum=0.9),
 }
 
 
@@ -89,14 +84,19 @@ def _allreduce_payload(params: List[nn.Parameter]) -> int:
 def _parity_worker(rank: int, world_size: int, cases: list) -> List[float]:
     max_diffs = []
     for opt_name, bucket_mb, async_comm in cases:
-        make_ours, make_ref = OPTIMIZERS[opt_name]
+        spec = OPTIMIZERS[opt_name]
 
         def wrap(model: nn.Module) -> Tuple[nn.Module, torch.optim.Optimizer]:
-            ddp = DDP(model, bucket_cap_mb=bucket_mb, enable_async_communication=async_comm)
-            return ddp, make_ours(ddp.named_parameters())
+            return build(
+                "ddp", model, spec, bucket_cap_mb=bucket_mb, enable_async_communication=async_comm
+            )
 
         result = check_parity(
-            rank, world_size, wrap, lambda m: make_ref(m.parameters()), lambda m: m.state_dict()
+            rank,
+            world_size,
+            wrap,
+            lambda m: spec.reference(m.parameters()),
+            lambda m: m.state_dict(),
         )
         max_diffs.append(result.max_param_diff)
     return max_diffs
@@ -135,9 +135,14 @@ def test_first_gradients_are_the_single_device_gradients(world_size: int) -> Non
 
 def _torch_ddp_worker(rank: int, world_size: int, steps: int) -> None:
     torch_model = nn.parallel.DistributedDataParallel(make_model())
-    ours = DDP(make_model(), bucket_cap_mb=TINY_BUCKET_MB, enable_async_communication=True)
-    torch_opt = torch.optim.AdamW(torch_model.parameters(), lr=ADAM_LR, weight_decay=0.1)
-    our_opt = DDPAdamW(ours.named_parameters(), lr=ADAM_LR, weight_decay=0.1)
+    ours, our_opt = build(
+        "ddp",
+        make_model(),
+        OPTIMIZERS["adamw"],
+        bucket_cap_mb=TINY_BUCKET_MB,
+        enable_async_communication=True,
+    )
+    torch_opt = OPTIMIZERS["adamw"].reference(torch_model.parameters())
     for step in range(steps):
         x, y = _global_xy(step, 2 * world_size)
         x, y = local_slice(x, rank, world_size), local_slice(y, rank, world_size)
@@ -170,9 +175,14 @@ def _accumulation_worker(rank: int, world_size: int) -> None:
     micro_steps, rows_per_micro, steps = 2, 2, 3
     for use_context, async_comm in [(True, False), (False, True)]:
         reference = make_model()
-        model = DDP(copy.deepcopy(reference), TINY_BUCKET_MB, async_comm)
-        optimizer = DDPSGD(model.named_parameters(), lr=0.5, momentum=0.9)
-        ref_optimizer = torch.optim.SGD(reference.parameters(), lr=0.5, momentum=0.9)
+        model, optimizer = build(
+            "ddp",
+            copy.deepcopy(reference),
+            OPTIMIZERS["sgd"],
+            bucket_cap_mb=TINY_BUCKET_MB,
+            enable_async_communication=async_comm,
+        )
+        ref_optimizer = OPTIMIZERS["sgd"].reference(reference.parameters())
         for step in range(steps):
             x, y = _global_xy(step, micro_steps * rows_per_micro * world_size)
             lm_loss(reference(x), y).backward()  # one step on the whole batch
@@ -222,10 +232,15 @@ def _frozen_worker(rank: int, world_size: int) -> None:
     reference = make_model()
     for name, param in reference.named_parameters():
         param.requires_grad_(name not in FROZEN)
-    model = DDP(copy.deepcopy(reference), TINY_BUCKET_MB, enable_async_communication=True)
+    model, optimizer = build(
+        "ddp",
+        copy.deepcopy(reference),
+        OPTIMIZERS["adamw"],
+        bucket_cap_mb=TINY_BUCKET_MB,
+        enable_async_communication=True,
+    )
     frozen = {name: p.detach().clone() for name, p in model.module.named_parameters()}
-    optimizer = DDPAdamW(model.named_parameters(), lr=ADAM_LR, weight_decay=0.1)
-    ref_optimizer = torch.optim.AdamW(reference.parameters(), lr=ADAM_LR, weight_decay=0.1)
+    ref_optimizer = OPTIMIZERS["adamw"].reference(reference.parameters())
     trainable = [p for p in model.parameters() if p.requires_grad]
     bucketed = [id(p) for bucket in model.buckets for p in bucket.params]
     assert sorted(bucketed) == sorted(map(id, trainable))
@@ -306,8 +321,13 @@ def _unused_worker(rank: int, world_size: int) -> None:
             torch.manual_seed(0)
             reference = _BranchyNet()
             # 0.0001 MiB = 104 bytes: every Linear's weight sits in a bucket of its own.
-            model = DDP(copy.deepcopy(reference), 0.0001, async_comm)
-            optimizer = DDPAdamW(model.named_parameters(), lr=0.1, weight_decay=0.5)
+            model, optimizer = build(
+                "ddp",
+                copy.deepcopy(reference),
+                adamw(lr=0.1, weight_decay=0.5),
+                bucket_cap_mb=0.0001,
+                enable_async_communication=async_comm,
+            )
             gen = torch.Generator().manual_seed(1)
             micro_steps = [uses for uses in (earlier_uses, sync_uses) if uses is not None]
             for i, uses in enumerate(micro_steps):
@@ -342,8 +362,15 @@ def test_parameters_unused_in_forward_never_block_and_get_the_right_gradient() -
 def _async_worker(rank: int, world_size: int) -> None:
     for bucket_mb in (TINY_BUCKET_MB, 25.0):
         base = make_model()
-        models = {a: DDP(copy.deepcopy(base), bucket_mb, a) for a in (False, True)}
-        optimizers = {a: DDPAdamW(m.named_parameters(), lr=1e-2) for a, m in models.items()}
+        models, optimizers = {}, {}
+        for a in (False, True):
+            models[a], optimizers[a] = build(
+                "ddp",
+                copy.deepcopy(base),
+                adamw(lr=1e-2),
+                bucket_cap_mb=bucket_mb,
+                enable_async_communication=a,
+            )
         launched_before_last_hook = {}
         for step in range(3):
             x, y = _global_xy(step, 2 * world_size)

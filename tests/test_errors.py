@@ -8,7 +8,6 @@ on 2 gloo ranks and records what each rank raised; the tests compare.
 
 import dataclasses
 import re
-from collections import OrderedDict
 from typing import Callable, Dict, List, Optional, Tuple
 
 import pytest
@@ -17,6 +16,7 @@ import torch.distributed as dist
 from torch import nn
 
 from example.model import GPT2Model, GPTConfig, GPTConfigs
+from tests.build import build, zero3_table
 from tests.harness import run_distributed
 from tests.parity import PARAM_ATOL, check_parity, make_model
 from tiny_fsdp.core.module import UnsupportedModuleError
@@ -29,30 +29,12 @@ Outcome = Optional[Tuple[str, str]]  # (exception type name, message), None if n
 # ------------------------------------------------------------------ building blocks
 
 
-def _table(model: nn.Module, world_size: int, evenness: float = 0.0):
-    from tiny_fsdp.core.zero3 import zero3_partition_tensors
-
-    tensors = OrderedDict(model.named_parameters())
-    return zero3_partition_tensors(tensors, ["cpu"] * world_size, evenness)[0]
-
-
-def _wrap(strategy: str, model: nn.Module, world_size: int) -> nn.Module:
-    """``model`` wrapped with ``strategy`` ("plain": converted to tiny_fsdp layers only)."""
-    from tiny_fsdp.core import DDP, FSDP, Zero1, Zero2, Zero3, convert_module
-
-    if strategy == "plain":
-        return convert_module(model)
-    if strategy == "zero3":
-        return Zero3(model, _table(model, world_size))
-    return {"ddp": DDP, "zero1": Zero1, "zero2": Zero2, "fsdp": FSDP}[strategy](model)
-
-
 def _optimizer(name: str, wrapped: nn.Module, world_size: int) -> torch.optim.Optimizer:
     from tiny_fsdp import core
 
     cls = getattr(core, name)
     if name.startswith("Zero3"):  # needs the table; the plain model's names
-        table = _table(make_model(), world_size)
+        table = zero3_table(make_model(), world_size=world_size)
         return cls(wrapped.named_parameters(), lr=1e-3, param_part_table=table)
     return cls(wrapped.named_parameters(), lr=1e-3)
 
@@ -103,14 +85,14 @@ PAIRING_MESSAGE = {
 
 def _case_unsupported(strategy: str) -> Callable[[int, int], None]:
     def run(rank: int, world_size: int) -> None:
-        _wrap(strategy, _unsupported_model(), world_size)
+        build(strategy, _unsupported_model(), None)
 
     return run
 
 
 def _case_pairing(optimizer: str, strategy: str) -> Callable[[int, int], None]:
     def run(rank: int, world_size: int) -> None:
-        _optimizer(optimizer, _wrap(strategy, make_model(), world_size), world_size)
+        _optimizer(optimizer, build(strategy, make_model(), None)[0], world_size)
 
     return run
 
@@ -119,14 +101,14 @@ def _case_meta(strategy: str) -> Callable[[int, int], None]:
     def run(rank: int, world_size: int) -> None:
         with torch.device("meta"):
             model = make_model()
-        _wrap(strategy, model, world_size)
+        build(strategy, model, None)
 
     return run
 
 
 def _case_aliased(strategy: str) -> Callable[[int, int], None]:
     def run(rank: int, world_size: int) -> None:
-        _wrap(strategy, _aliased_model(), world_size)
+        build(strategy, _aliased_model(), None)
 
     return run
 
@@ -134,27 +116,27 @@ def _case_aliased(strategy: str) -> Callable[[int, int], None]:
 def _zero3_table_for_3_ranks(rank: int, world_size: int) -> None:
     from tiny_fsdp.core import Zero3
 
-    Zero3(make_model(), _table(make_model(), world_size + 1))
+    Zero3(make_model(), zero3_table(make_model(), world_size=world_size + 1))
 
 
 def _zero3_table_of_a_model_without_biases(rank: int, world_size: int) -> None:
     from tiny_fsdp.core import Zero3
 
-    Zero3(make_model(), _table(GPT2Model(dataclasses.replace(CFG, bias=False)), world_size))
+    Zero3(make_model(), zero3_table(GPT2Model(dataclasses.replace(CFG, bias=False))))
 
 
 def _zero3_table_of_a_wider_model(rank: int, world_size: int) -> None:
     from tiny_fsdp.core import Zero3
 
-    Zero3(make_model(), _table(GPT2Model(dataclasses.replace(CFG, n_embd=20)), world_size))
+    Zero3(make_model(), zero3_table(GPT2Model(dataclasses.replace(CFG, n_embd=20))))
 
 
 def _zero3_optimizer_with_another_table(rank: int, world_size: int) -> None:
     from tiny_fsdp.core import Zero3, Zero3AdamW
 
     model = make_model()
-    wrapped = Zero3(model, _table(model, world_size, evenness=0.0))
-    other = _table(make_model(), world_size, evenness=1.0)  # same model, other owners
+    wrapped = Zero3(model, zero3_table(model, evenness=0.0))
+    other = zero3_table(make_model(), evenness=1.0)  # same model, other owners
     assert dict(other) != dict(wrapped.param_part_table)
     Zero3AdamW(wrapped.module.named_parameters(), lr=1e-3, param_part_table=other)
 
@@ -167,7 +149,7 @@ def _fsdp_for_another_world_size(rank: int, world_size: int) -> None:
 
 def _checkpoint_of_another_model(strategy: str) -> Callable[[int, int], None]:
     def run(rank: int, world_size: int) -> None:
-        wrapped = _wrap(strategy, make_model(), world_size)
+        wrapped, _ = build(strategy, make_model(), None)
         wider = GPT2Model(dataclasses.replace(CFG, n_embd=20)).state_dict()
         wrapped.load_state_dict(wider)
 
@@ -179,7 +161,7 @@ def _zero3_table_splitting_the_tied_weight(same_owner: bool) -> Callable[[int, i
         from tiny_fsdp.core import Zero3
 
         model = make_model()
-        table = dict(_table(model, world_size))  # a user-built dict, keyed like state_dict()
+        table = dict(zero3_table(model))  # a user-built dict, keyed like state_dict()
         wte = table["transformer.wte.weight"]
         table["lm_head.weight"] = wte if same_owner else (wte + 1) % world_size
         Zero3(model, table)
@@ -198,7 +180,7 @@ CASES: Dict[str, Callable[[int, int], None]] = {
     **{
         f"pairing-{OPTIMIZER_OF[o]}-{m}": _case_pairing(OPTIMIZER_OF[o], m)
         for o in STRATEGIES
-        for m in ["plain", *STRATEGIES]
+        for m in ["single", *STRATEGIES]
         if m != o
     },
     **{
@@ -322,7 +304,7 @@ def _zero3_with_another_table_per_rank(rank: int, world_size: int) -> Outcome:
     from tiny_fsdp.core.utils.dist import get_collective_timeout, set_collective_timeout
 
     model = make_model()
-    table = _table(model, world_size, evenness=float(rank))  # other owners on each rank
+    table = zero3_table(model, evenness=float(rank))  # other owners on each rank
     previous = get_collective_timeout()
     set_collective_timeout(5.0)  # today the first broadcast hangs: time out instead
     try:
@@ -369,7 +351,7 @@ def test_a_tied_weight_split_across_fsdp_units_trains_like_one_device() -> None:
 def test_zero3_tables_cannot_split_a_tied_weight() -> None:
     """A tied weight is one Parameter: named_parameters lists it once, so a table built from it
     gives it one owner (a hand-made table listing the alias is the ``tied-table-*`` cases)."""
-    table = _table(make_model(), 4, evenness=1.0)
+    table = zero3_table(make_model(), evenness=1.0, world_size=4)
     assert "transformer.wte.weight" in table and "lm_head.weight" not in table
 
 
@@ -390,9 +372,9 @@ def test_every_strategy_without_a_process_group_says_how_to_start_one() -> None:
         lambda m: Zero3AdamW(m.parameters(), lr=1e-3, param_part_table={}),
     ]
     fix = r"needs an initialised process group: call torch.distributed.init_process_group\("
-    for build in builders:
+    for wrap in builders:
         with pytest.raises(RuntimeError, match=fix):
-            build(make_model())
+            wrap(make_model())
 
 
 def test_device_checks_name_the_backend_and_the_fix() -> None:

@@ -5,7 +5,6 @@ the guide's code runs, and a model using all of them trains like one device unde
 import copy
 import re
 import warnings
-from collections import OrderedDict
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
@@ -14,6 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from tests.build import adamw, build, sgd
 from tests.harness import run_distributed
 from tests.parity import LOSS_ATOL, PARAM_ATOL, global_batch, lm_loss, local_slice, mean_over_ranks
 from tiny_fsdp.core.module import UnsupportedModuleError, convert_module
@@ -365,60 +365,28 @@ class ConvLM(nn.Module):
         return self.head(h)
 
 
-def _wrap(strategy: str, model: nn.Module, world_size: int, optim: str, async_comm: bool):
-    """(wrapped model, optimizer) for ``strategy``; imports are local so that one strategy's
-    import error fails its own cases only."""
-    hyper = OPTIM_HYPER[optim]
-    if strategy == "ddp":
-        from tiny_fsdp.core.ddp import DDP, DDPSGD, DDPAdamW
-
-        wrapped = DDP(model, enable_async_communication=async_comm)
-        cls = {"sgd": DDPSGD, "adamw": DDPAdamW}[optim]
-        return wrapped, cls(wrapped.named_parameters(), **hyper)
-    if strategy in ("zero1", "zero2"):
-        from tiny_fsdp.core import zero
-
-        stage = strategy[-1]
-        wrapped = getattr(zero, f"Zero{stage}")(model, enable_async_communication=async_comm)
-        cls = getattr(zero, f"Zero{stage}{ {'sgd': 'SGD', 'adamw': 'AdamW'}[optim] }")
-        return wrapped, cls(wrapped.named_parameters(), **hyper)
-    if strategy == "zero3":
-        from tiny_fsdp.core.zero3 import Zero3, Zero3AdamW, Zero3SGD, zero3_partition_tensors
-
-        tensors = OrderedDict(model.named_parameters())
-        parts = zero3_partition_tensors(tensors, ["cpu"] * world_size)[0]
-        wrapped = Zero3(model, parts, enable_async_communication=async_comm)
-        cls = {"sgd": Zero3SGD, "adamw": Zero3AdamW}[optim]
-        return wrapped, cls(wrapped.module.named_parameters(), param_part_table=parts, **hyper)
-    if strategy == "fsdp":
-        from tiny_fsdp.core.fsdp import FSDP, FSDPSGD, FSDPAdamW
-
-        wrapped = FSDP(model, enable_async_communication=async_comm)
-        cls = {"sgd": FSDPSGD, "adamw": FSDPAdamW}[optim]
-        return wrapped, cls(wrapped.named_parameters(), **hyper)
-    raise ValueError(strategy)
-
-
 # SGD is not invariant to the gradient's scale, so it catches a wrong average; AdamW exercises
 # state. lr=1e-3 for AdamW keeps float32 rounding noise amplified by 1/sqrt(v) within
 # PARAM_ATOL (tests/parity.py) over STEPS steps.
-OPTIM_HYPER = {"sgd": dict(lr=0.2, momentum=0.9), "adamw": dict(lr=1e-3, weight_decay=0.1)}
-TORCH_OPTIM = {"sgd": torch.optim.SGD, "adamw": torch.optim.AdamW}
+OPTIMIZERS = {"sgd": sgd(lr=0.2, momentum=0.9), "adamw": adamw(lr=1e-3, weight_decay=0.1)}
 
 
 def _parity_worker(rank: int, world_size: int, strategy: str) -> List[Tuple[str, float]]:
     """Train ConvLM under ``strategy`` (each optimizer, async communication off and on) next
     to one-device torch on the global batch; assert equal losses and final parameters."""
     seen = []
-    for optim in OPTIM_HYPER:
+    for optim in OPTIMIZERS:
         for async_comm in (False, True):
             what = f"{strategy} {optim} async={async_comm}"
             torch.manual_seed(0)
             reference = ConvLM()
-            model, optimizer = _wrap(
-                strategy, _fallback_convert(reference), world_size, optim, async_comm
+            model, optimizer = build(
+                strategy,
+                _fallback_convert(reference),
+                OPTIMIZERS[optim],
+                enable_async_communication=async_comm,
             )
-            reference_optimizer = TORCH_OPTIM[optim](reference.parameters(), **OPTIM_HYPER[optim])
+            reference_optimizer = OPTIMIZERS[optim].reference(reference.parameters())
             for step in range(STEPS):
                 x, y = global_batch(step, 2 * world_size, SEQ_LEN, VOCAB)
                 ref_loss = lm_loss(reference(x), y)

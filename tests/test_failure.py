@@ -34,11 +34,13 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from tests.build import adamw, build
 from tests.harness import DistributedRunError, run_distributed
 from tests.parity import global_batch, lm_loss, local_slice, make_model
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 FAIL_STEP = 2
+ADAMW = adamw(lr=1e-2)  # every strategy's own AdamW
 # Harness workers live on after a failure, so there the peers learn it at the collective timeout.
 TIMEOUT_S = 2.0
 GRACE_S = 2.0
@@ -94,25 +96,6 @@ def _install_fault(model: torch.nn.Module, fault: str, step: int) -> None:
 # ------------------------------------------------------------------ rank side (harness)
 
 
-def _wrap(
-    strategy: str, model: nn.Module, world_size: int
-) -> Tuple[nn.Module, torch.optim.Optimizer]:
-    """``model`` under ``strategy``, with that strategy's AdamW."""
-    from tiny_fsdp import core
-
-    if strategy == "zero3":
-        parts, _ = core.zero3_partition_tensors(
-            dict(model.named_parameters()), ["cpu"] * world_size
-        )
-        wrapped = core.Zero3(model, parts)
-        named = wrapped.module.named_parameters()
-        return wrapped, core.Zero3AdamW(named, lr=1e-2, param_part_table=parts)
-    cls = {"ddp": core.DDP, "zero1": core.Zero1, "zero2": core.Zero2, "fsdp": core.FSDP}[strategy]
-    wrapped = cls(model)
-    optimizer = getattr(core, f"{type(wrapped).__name__}AdamW")(wrapped.named_parameters(), lr=1e-2)
-    return wrapped, optimizer
-
-
 def _train_with_fault(
     rank: int, world_size: int, strategy: str, fault: str, failing_rank: int, call_id: str
 ) -> None:
@@ -127,7 +110,7 @@ def _train_with_fault(
     peers_done = [f"{call_id}/{r}" for r in range(world_size) if r != failing_rank]
     try:
         with fail_fast(timeout_s=TIMEOUT_S, grace_s=GRACE_S):
-            model, optimizer = _wrap(strategy, make_model(), world_size)
+            model, optimizer = build(strategy, make_model(), ADAMW)
             if rank == failing_rank:
                 _install_fault(model, fault, FAIL_STEP)
             for step in range(FAIL_STEP + 1):
@@ -347,7 +330,7 @@ def _collectives(rank: int, world_size: int) -> List[Tuple[list, dict]]:
         with fail_fast(timeout_s=20.0), _recording(log):  # a mismatch fails, never hangs
             LEDGER.reset()
             plain = _tiny_model(model_name, bool(frozen))
-            model, optimizer = _wrap(strategy, plain, world_size)
+            model, optimizer = build(strategy, plain, ADAMW)
             for step in range(2):
                 model.module.use_extra = not data_dependent or (rank + step) % 2 == 0
                 x = torch.randn(3, 2, generator=torch.Generator().manual_seed(rank))

@@ -9,8 +9,7 @@ FSDP. Every rank also trains the single-device reference on the whole global bat
 
 import argparse
 import contextlib
-from collections import OrderedDict
-from typing import Callable, Dict, Optional, Tuple
+from typing import Callable, Dict, Optional
 
 import pytest
 import torch
@@ -19,16 +18,17 @@ from torch import nn
 from example.model import GPTConfigs
 from example.trainer import lr_at
 from example.trainer import main as trainer_main
+from tests.build import adamw, build
 from tests.harness import run_distributed
 from tests.parity import PARAM_ATOL, global_batch, lm_loss, local_slice, make_model
 from tiny_fsdp.core import comm
 from tiny_fsdp.core.module import ParamHandler, convert_module
-from tiny_fsdp.core.optim import AdamW
 from tiny_fsdp.core.precision import MixedPrecisionPolicy, apply_mixed_precision
 
 STRATEGIES = ["single", "ddp", "zero1", "zero2", "zero3", "fsdp"]
 DISTRIBUTED = STRATEGIES[1:]
 LR = 1e-3
+ADAMW = adamw(lr=LR)  # every strategy's own AdamW
 CONFIG = GPTConfigs.gpt2_tiny
 BATCH_PER_RANK, SEQ = 2, 8
 BF16 = MixedPrecisionPolicy(torch.bfloat16)
@@ -53,51 +53,7 @@ BF16_CURVE_ATOL = 1e-2
 BF16_CURVE_MIN_DROP = 0.3
 
 
-# ---------------------------------------------------------------------------------- builders
-
-
-def build(
-    strategy: str,
-    model: nn.Module,
-    world_size: int,
-    policy: Optional[MixedPrecisionPolicy] = None,
-    async_comm: bool = False,
-) -> Tuple[nn.Module, torch.optim.Optimizer]:
-    """(wrapped model, its AdamW) for ``strategy``; the optimizer uses lr ``LR``."""
-    kw = {"enable_async_communication": async_comm}
-    if policy is not None:
-        kw["mixed_precision"] = policy
-    if strategy == "single":
-        model = convert_module(model)
-        if policy is not None:
-            apply_mixed_precision(model, policy)
-        return model, AdamW(model.named_parameters(), lr=LR)
-    if strategy == "ddp":
-        from tiny_fsdp.core.ddp import DDP, DDPAdamW
-
-        wrapped = DDP(model, **kw)
-        return wrapped, DDPAdamW(wrapped.named_parameters(), lr=LR)
-    if strategy in ("zero1", "zero2"):
-        from tiny_fsdp.core import zero
-
-        stage = strategy[-1]
-        wrapped = getattr(zero, f"Zero{stage}")(model, **kw)
-        return wrapped, getattr(zero, f"Zero{stage}AdamW")(wrapped.named_parameters(), lr=LR)
-    if strategy == "zero3":
-        from tiny_fsdp.core.zero3 import Zero3, Zero3AdamW, zero3_partition_tensors
-
-        parts, _ = zero3_partition_tensors(
-            OrderedDict(model.named_parameters()), ["cpu"] * world_size
-        )
-        wrapped = Zero3(model, parts, **kw)
-        named = wrapped.module.named_parameters()
-        return wrapped, Zero3AdamW(named, lr=LR, param_part_table=parts)
-    if strategy == "fsdp":
-        from tiny_fsdp.core.fsdp import FSDP, FSDPAdamW
-
-        wrapped = FSDP(model, **kw)
-        return wrapped, FSDPAdamW(wrapped.named_parameters(), lr=LR)
-    raise ValueError(strategy)
+# ---------------------------------------------------------------------------------- training
 
 
 def train(
@@ -123,7 +79,13 @@ def train(
     ``n_batches``: cycle through that many global batches (a loss curve that really falls).
     """
     single = strategy == "single"
-    model, optimizer = build(strategy, make_model(0, CONFIG), world_size, policy, async_comm)
+    model, optimizer = build(
+        strategy,
+        make_model(0, CONFIG),
+        ADAMW,
+        mixed_precision=policy,
+        enable_async_communication=async_comm,
+    )
     model.gradient_checkpointing = ckpt
     losses, norms = [], []
     for step in range(steps):
@@ -181,7 +143,7 @@ def _check_grad_accum(rank: int, world_size: int) -> None:
     reference = train("single", rank, world_size, steps=3, grad_accum=2)
     for strategy in DISTRIBUTED:
         # A backward inside no_sync() issues no gradient collective at all.
-        model, optimizer = build(strategy, make_model(0, CONFIG), world_size)
+        model, optimizer = build(strategy, make_model(0, CONFIG), ADAMW)
         x, y = global_batch(0, BATCH_PER_RANK * world_size, SEQ, CONFIG.vocab_size)
         comm.LEDGER.reset()
         with model.no_sync():
@@ -290,7 +252,7 @@ def _check_bf16(rank: int, world_size: int) -> None:
         payload = {}
         for policy in (None, BF16):
             comm.LEDGER.reset()
-            model, optimizer = build(strategy, make_model(0, CONFIG), world_size, policy)
+            model, optimizer = build(strategy, make_model(0, CONFIG), ADAMW, mixed_precision=policy)
             x, y = global_batch(0, BATCH_PER_RANK * world_size, SEQ, CONFIG.vocab_size)
             comm.LEDGER.reset()  # count one training step, not the wrap-time broadcasts
             xs, ys = local_slice(x, rank, world_size), local_slice(y, rank, world_size)
@@ -317,7 +279,7 @@ def _check_bf16_curve(rank: int, world_size: int) -> None:
 def _check_half_raises(rank: int, world_size: int) -> None:
     """``.half()`` / ``.bfloat16()`` / ``.to(dtype)`` on a wrapper raise and name the policy."""
     for strategy in DISTRIBUTED:
-        model, _ = build(strategy, make_model(0, CONFIG), world_size)
+        model, _ = build(strategy, make_model(0, CONFIG), ADAMW)
         before = {k: v.clone() for k, v in model.state_dict().items()}
         for cast in (lambda m: m.half(), lambda m: m.bfloat16(), lambda m: m.to(torch.float16)):
             with pytest.raises(TypeError, match="MixedPrecisionPolicy"):
@@ -327,7 +289,7 @@ def _check_half_raises(rank: int, world_size: int) -> None:
         after = model.state_dict()
         assert all(torch.equal(before[k], after[k]) for k in before), strategy
         with pytest.raises(ValueError, match="fp32 master"):  # a policy on a half model
-            build(strategy, make_model(0, CONFIG).bfloat16(), world_size, BF16)
+            build(strategy, make_model(0, CONFIG).bfloat16(), ADAMW, mixed_precision=BF16)
 
 
 def test_policy_defaults_and_validation() -> None:

@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from example.model import GPT2Model, GPTConfigs
+from tests.build import adamw, build, sgd
 from tests.harness import run_distributed
 from tests.parity import (
     LOSS_ATOL,
@@ -34,22 +35,15 @@ from tiny_fsdp.core.fsdp import FSDP, FSDPSGD, FSDPAdamW, ShardedParam, shard_in
 from tiny_fsdp.core.module import CallbackModule
 
 CFG = GPTConfigs.gpt2_tiny
-OPTIMIZERS = {  # name -> (ours, torch reference, hyper-parameters)
-    "adamw": (FSDPAdamW, torch.optim.AdamW, dict(lr=1e-3, weight_decay=0.1)),
-    "sgd_momentum": (FSDPSGD, torch.optim.SGD, dict(lr=0.05, momentum=0.9, weight_decay=0.01)),
+OPTIMIZERS = {
+    "adamw": adamw(lr=1e-3, weight_decay=0.1),
+    "sgd_momentum": sgd(lr=0.05, momentum=0.9, weight_decay=0.01),
 }
 STEPS = 4  # enough for momentum / Adam moments to matter; each step is ~50 collectives
 
 
-def _wrap(model: nn.Module, optim: str = "adamw", **kwargs: Any) -> Tuple[FSDP, Any]:
-    fsdp = FSDP(model, **kwargs)
-    ours, _, hyper = OPTIMIZERS[optim]
-    return fsdp, ours(fsdp.named_parameters(), **hyper)
-
-
 def _reference_optimizer(optim: str, model: nn.Module) -> torch.optim.Optimizer:
-    _, ref, hyper = OPTIMIZERS[optim]
-    return ref([p for p in model.parameters() if p.requires_grad], **hyper)
+    return OPTIMIZERS[optim].reference([p for p in model.parameters() if p.requires_grad])
 
 
 def _nbytes(t: torch.Tensor) -> int:
@@ -122,8 +116,13 @@ def _parity_gpt(rank: int, world_size: int) -> Dict[str, float]:
 
             def wrap(model: nn.Module) -> Tuple[FSDP, Any]:
                 unit = list(model.transformer.h) if blocks else "layer"
-                fsdp, opt = _wrap(
-                    model, optim, reshard_after_forward=reshard, prefetch_limit=limit, unit=unit
+                fsdp, opt = build(
+                    "fsdp",
+                    model,
+                    OPTIMIZERS[optim],
+                    reshard_after_forward=reshard,
+                    prefetch_limit=limit,
+                    unit=unit,
                 )
                 fsdp.enable_async_communication = async_on  # the attribute works like the arg
                 kept.append(fsdp)
@@ -186,9 +185,10 @@ def _parity_odd(rank: int, world_size: int) -> float:
     for optim, unit, reshard, async_on in cases:
         torch.manual_seed(1)
         reference = OddNet()
-        fsdp, opt = _wrap(
+        fsdp, opt = build(
+            "fsdp",
             copy.deepcopy(reference),
-            optim,
+            OPTIMIZERS[optim],
             unit=unit,
             reshard_after_forward=reshard,
             enable_async_communication=async_on,
@@ -233,14 +233,13 @@ def _parity_fsdp2(rank: int, world_size: int) -> float:
     for block in theirs.transformer.h:
         fully_shard(block, mesh=mesh)
     fully_shard(theirs, mesh=mesh)
-    hyper = dict(lr=1e-3, weight_decay=0.1)
-    theirs_opt = torch.optim.AdamW(theirs.parameters(), **hyper)
-    runs = [(theirs, theirs_opt)]
+    runs = [(theirs, OPTIMIZERS["adamw"].reference(theirs.parameters()))]
     for unit in ("layer", "blocks"):  # ours per layer, and with FSDP2's units
         model = copy.deepcopy(reference)
         blocks = list(model.transformer.h) if unit == "blocks" else unit
-        ours = FSDP(model, enable_async_communication=True, unit=blocks)
-        runs.append((ours, FSDPAdamW(ours.named_parameters(), **hyper)))
+        runs.append(
+            build("fsdp", model, OPTIMIZERS["adamw"], enable_async_communication=True, unit=blocks)
+        )
     for step in range(STEPS):
         x, y = global_batch(step, 2 * world_size, 8, CFG.vocab_size)
         x, y = local_slice(x, rank, world_size), local_slice(y, rank, world_size)
@@ -295,8 +294,10 @@ def _memory(rank: int, world_size: int) -> Dict[str, int]:
     for reshard, async_on, limit in ((True, False, 1), (True, True, 2), (False, False, 1)):
         model = make_model(0, CFG)
         shapes = {name: tuple(p.shape) for name, p in model.named_parameters()}
-        fsdp, opt = _wrap(
+        fsdp, opt = build(
+            "fsdp",
             model,
+            OPTIMIZERS["adamw"],
             reshard_after_forward=reshard,
             enable_async_communication=async_on,
             prefetch_limit=limit,
@@ -469,7 +470,9 @@ def _frozen(rank: int, world_size: int) -> None:
             return model
 
         def wrap(model: nn.Module) -> Tuple[FSDP, Any]:
-            fsdp, opt = _wrap(freeze(model), "adamw", enable_async_communication=True)
+            fsdp, opt = build(
+                "fsdp", freeze(model), OPTIMIZERS["adamw"], enable_async_communication=True
+            )
             kept.append((fsdp, opt, {n: p.detach().clone() for n, p in fsdp.state_dict().items()}))
             return fsdp, opt
 
@@ -498,7 +501,9 @@ def _no_sync(rank: int, world_size: int, micro: int, blocks: bool) -> None:
     reference = make_model(0, CFG)
     model = copy.deepcopy(reference)
     unit = list(model.transformer.h) if blocks else "layer"
-    fsdp, opt = _wrap(model, "sgd_momentum", enable_async_communication=True, unit=unit)
+    fsdp, opt = build(
+        "fsdp", model, OPTIMIZERS["sgd_momentum"], enable_async_communication=True, unit=unit
+    )
     ref_opt = _reference_optimizer("sgd_momentum", reference)
     # Every parameter's padded full gradient is kept once per unit that uses it (the tied
     # weight twice with per-layer units, once in the root unit with blocks): exactly the bytes
@@ -544,7 +549,7 @@ def test_no_sync_micro_batches_equal_one_big_batch(
 
 def _tied(rank: int, world_size: int) -> None:
     reference = make_model(0, CFG)
-    fsdp, opt = _wrap(copy.deepcopy(reference))
+    fsdp, opt = build("fsdp", copy.deepcopy(reference), OPTIMIZERS["adamw"])
     wte, head = fsdp.module.transformer.wte.weight, fsdp.module.lm_head.weight
     assert wte is head and len(list(fsdp.parameters())) == len(list(reference.parameters()))
     assert wte.shape == (math.ceil(CFG.vocab_size / world_size), CFG.n_embd)
@@ -569,7 +574,7 @@ def test_tied_weight_is_one_shard_with_both_gradients_and_norm_counts_it_once() 
 
 
 def _state_dict(rank: int, world_size: int) -> None:
-    trained, opt = _wrap(make_model(0, CFG), "adamw")
+    trained, opt = build("fsdp", make_model(0, CFG), OPTIMIZERS["adamw"])
     for step in range(2):
         x, y = global_batch(step, 2 * world_size, 8, CFG.vocab_size)
         lm_loss(
@@ -646,7 +651,9 @@ def _checkpointing(rank: int, world_size: int) -> None:
     """Recomputing blocks in backward (with prefetch on) changes nothing, bitwise."""
     results = []
     for checkpointing, async_on in ((False, False), (True, True)):
-        fsdp, opt = _wrap(make_model(0, CFG), enable_async_communication=async_on)
+        fsdp, opt = build(
+            "fsdp", make_model(0, CFG), OPTIMIZERS["adamw"], enable_async_communication=async_on
+        )
         fsdp.gradient_checkpointing = checkpointing
         for step in range(2):
             x, y = global_batch(step, 2 * world_size, 8, CFG.vocab_size)

@@ -23,7 +23,8 @@ import pytest
 import torch
 from torch import nn
 
-from example.benchmark import PHASES
+from example.bench.runner import PHASES
+from tests.build import adamw, build
 from tests.harness import run_distributed
 from tests.parity import global_batch, lm_loss, local_slice, make_model
 from tiny_fsdp.core.comm import LEDGER
@@ -67,36 +68,22 @@ def _parts(world_size: int) -> Dict[str, int]:
 
 
 def _build(variant: str, world_size: int) -> Tuple[nn.Module, torch.optim.Optimizer]:
-    from tiny_fsdp.core import DDP, FSDP, Zero3, Zero3AdamW, zero
-    from tiny_fsdp.core.ddp import DDPAdamW
-    from tiny_fsdp.core.fsdp import FSDPAdamW
-
+    """``<strategy>[_<option>]``: buckets (one per parameter), async, keep (no reshard), bf16."""
     name, _, option = variant.partition("_")
     model = make_model()
     if option == "bf16":
         model = model.to(torch.bfloat16)
-    if name == "ddp":
-        cap = ONE_PARAM_BUCKET_MB if option == "buckets" else 25.0
-        wrapped = DDP(model, bucket_cap_mb=cap)
-        return wrapped, DDPAdamW(wrapped.named_parameters(), lr=1e-3)
-    if name in ("zero1", "zero2"):
-        stage = int(name[-1])
-        cap = ONE_PARAM_BUCKET_MB if option == "buckets" else 25.0
-        wrapped = getattr(zero, f"Zero{stage}")(model, bucket_cap_mb=cap)
-        return wrapped, getattr(zero, f"Zero{stage}AdamW")(wrapped.named_parameters(), lr=1e-3)
-    if name == "zero3":
-        parts = _parts(world_size)
-        wrapped = Zero3(model, parts, enable_async_communication=option == "async")
-        named = wrapped.module.named_parameters()
-        return wrapped, Zero3AdamW(named, lr=1e-3, param_part_table=parts)
-    if name == "fsdp":
-        wrapped = FSDP(
-            model,
-            enable_async_communication=option == "async",
-            reshard_after_forward=option != "keep",
+    if name in ("ddp", "zero1", "zero2"):
+        kw = dict(bucket_cap_mb=ONE_PARAM_BUCKET_MB if option == "buckets" else 25.0)
+    elif name == "zero3":
+        kw = dict(parts=_parts(world_size), enable_async_communication=option == "async")
+    elif name == "fsdp":
+        kw = dict(
+            enable_async_communication=option == "async", reshard_after_forward=option != "keep"
         )
-        return wrapped, FSDPAdamW(wrapped.named_parameters(), lr=1e-3)
-    raise ValueError(variant)
+    else:
+        raise ValueError(variant)
+    return build(name, model, adamw(lr=1e-3), **kw)
 
 
 def _measure(rank: int, world_size: int, variants: List[str]) -> Dict[str, Dict[str, Any]]:

@@ -14,22 +14,14 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from tests.build import adamw, build, sgd
 from tests.harness import run_distributed
 from tests.parity import PARAM_ATOL, check_parity, global_batch, lm_loss, local_slice, make_model
 from tiny_fsdp.core.comm import LEDGER
 from tiny_fsdp.core.module import convert_module
-from tiny_fsdp.core.zero import (
-    FlatLayout,
-    Zero1,
-    Zero1AdamW,
-    Zero1SGD,
-    Zero2,
-    Zero2AdamW,
-    Zero2SGD,
-)
+from tiny_fsdp.core.zero import FlatLayout, Zero1AdamW, Zero2, Zero2SGD
 
 WORLD_SIZES = [1, 2, 3, 4]
-WRAPPERS = {1: Zero1, 2: Zero2}
 TINY_BUCKET_MB = 0.002  # ~500 fp32 elements: gpt2_tiny (10062 parameters) makes ~20 buckets
 SMALL_BUCKET_MB = 0.01  # ~2600 fp32 elements: ~5 buckets (fewer collectives on 2 cores)
 # Adam turns the float32 rounding noise of gradients that are analytically ~zero (attention key
@@ -37,14 +29,7 @@ SMALL_BUCKET_MB = 0.01  # ~2600 fp32 elements: ~5 buckets (fewer collectives on 
 # of one device after 10 steps (measured 1.0e-5 at N=2), at lr=1e-2 it would not (1.8e-4).
 ADAM_LR = 1e-3
 # SGD, unlike Adam, is not invariant to the gradient's scale: it catches a wrong average.
-OPTIMIZERS = {
-    "adamw": (
-        {1: Zero1AdamW, 2: Zero2AdamW},
-        torch.optim.AdamW,
-        dict(lr=ADAM_LR, weight_decay=0.1),
-    ),
-    "sgd": ({1: Zero1SGD, 2: Zero2SGD}, torch.optim.SGD, dict(lr=0.5, momentum=0.9)),
-}
+OPTIMIZERS = {"adamw": adamw(lr=ADAM_LR, weight_decay=0.1), "sgd": sgd(lr=0.5, momentum=0.9)}
 # (stage, optimizer, bucket_cap_mb, enable_async_communication) trained against one device.
 PARITY_CASES = [
     (1, "adamw", SMALL_BUCKET_MB, False),
@@ -52,12 +37,6 @@ PARITY_CASES = [
     (2, "adamw", TINY_BUCKET_MB, True),
     (2, "sgd", SMALL_BUCKET_MB, False),
 ]
-
-
-def _wrap(model: nn.Module, stage: int, opt: str, bucket_mb: float, async_comm: bool) -> Any:
-    classes, _, hyper = OPTIMIZERS[opt]
-    wrapped = WRAPPERS[stage](model, bucket_cap_mb=bucket_mb, enable_async_communication=async_comm)
-    return wrapped, classes[stage](wrapped.named_parameters(), **hyper)
 
 
 def _xy(step: int, rows: int) -> Tuple[torch.Tensor, torch.Tensor]:
@@ -112,12 +91,17 @@ def test_layout_gives_every_element_exactly_one_owner(world_size: int, cap: int)
 def _parity_worker(rank: int, world_size: int) -> List[float]:
     diffs = []
     for stage, opt, bucket_mb, async_comm in PARITY_CASES:
-        _, reference_cls, hyper = OPTIMIZERS[opt]
         result = check_parity(
             rank,
             world_size,
-            lambda m: _wrap(m, stage, opt, bucket_mb, async_comm),
-            lambda m: reference_cls(m.parameters(), **hyper),
+            lambda m: build(
+                f"zero{stage}",
+                m,
+                OPTIMIZERS[opt],
+                bucket_cap_mb=bucket_mb,
+                enable_async_communication=async_comm,
+            ),
+            lambda m: OPTIMIZERS[opt].reference(m.parameters()),
             lambda m: m.state_dict(),
         )
         diffs.append(result.max_param_diff)
@@ -135,13 +119,19 @@ def _torch_zero_worker(rank: int, world_size: int) -> None:
     from torch.nn.parallel import DistributedDataParallel
 
     for stage, opt in [(1, "adamw"), (2, "sgd"), (2, "adamw"), (1, "sgd")]:
-        _, torch_cls, hyper = OPTIMIZERS[opt]
+        spec = OPTIMIZERS[opt]
         base = make_model(0)
         torch_model = DistributedDataParallel(copy.deepcopy(base))
         torch_opt = ZeroRedundancyOptimizer(
-            torch_model.parameters(), optimizer_class=torch_cls, **hyper
+            torch_model.parameters(), optimizer_class=spec.reference_class, **spec.hyper
         )
-        ours, our_opt = _wrap(base, stage, opt, SMALL_BUCKET_MB, stage == 2)
+        ours, our_opt = build(
+            f"zero{stage}",
+            base,
+            spec,
+            bucket_cap_mb=SMALL_BUCKET_MB,
+            enable_async_communication=stage == 2,
+        )
         what = f"stage {stage} {opt}"
         for step in range(5):
             x, y = (local_slice(t, rank, world_size) for t in _xy(step, 2 * world_size))
@@ -167,7 +157,13 @@ def _variants_worker(rank: int, world_size: int) -> None:
         # (enable_async_communication, gradient_checkpointing): same collectives on the same data,
         # and recomputation reproduces the activations exactly, so no bit may change.
         for async_comm, checkpointing in [(False, False), (True, False), (True, True)]:
-            model, optimizer = _wrap(make_model(0), stage, "adamw", TINY_BUCKET_MB, async_comm)
+            model, optimizer = build(
+                f"zero{stage}",
+                make_model(0),
+                OPTIMIZERS["adamw"],
+                bucket_cap_mb=TINY_BUCKET_MB,
+                enable_async_communication=async_comm,
+            )
             model.gradient_checkpointing = checkpointing
             for step in range(3):
                 x, y = (local_slice(t, rank, world_size) for t in _xy(step, 2 * world_size))
@@ -195,9 +191,8 @@ def _bf16_worker(rank: int, world_size: int, stage: int) -> Dict[str, float]:
     bf16 and summed over ranks in bf16, fp32 master + torch AdamW, bf16 copy-back."""
     base = make_model(0).to(torch.bfloat16)
     reference = convert_module(copy.deepcopy(base))  # the same layer code, one process
-    model = WRAPPERS[stage](base, bucket_cap_mb=SMALL_BUCKET_MB)
-    optimizer = OPTIMIZERS["adamw"][0][stage](
-        model.named_parameters(), lr=BF16_LR, weight_decay=0.1
+    model, optimizer = build(
+        f"zero{stage}", base, adamw(lr=BF16_LR, weight_decay=0.1), bucket_cap_mb=SMALL_BUCKET_MB
     )
     ref_params = list(reference.parameters())
     masters = [p.detach().float().clone() for p in ref_params]
@@ -321,8 +316,9 @@ def _bytes_worker(rank: int, world_size: int) -> List[Dict[str, Any]]:
 def _check_bytes(
     rank: int, world_size: int, stage: int, dtype: torch.dtype, expected: Dict[str, Any]
 ) -> Dict[str, Any]:
-    model = WRAPPERS[stage](make_model(0).to(dtype), bucket_cap_mb=TINY_BUCKET_MB / 2)
-    optimizer = OPTIMIZERS["adamw"][0][stage](model.named_parameters(), lr=ADAM_LR)
+    model, optimizer = build(
+        f"zero{stage}", make_model(0).to(dtype), adamw(lr=ADAM_LR), bucket_cap_mb=TINY_BUCKET_MB / 2
+    )
     n_params = sum(p.numel() for p in model.parameters())  # tied weight once
     padding = model.layout.padding()
     params = _storages(*[p.data for p in model.parameters()])
@@ -386,8 +382,14 @@ def _no_sync_worker(rank: int, world_size: int) -> None:
     micro_steps, rows = 3, 2 * world_size
     for stage in (1, 2):
         reference = make_model(0)
-        model, optimizer = _wrap(copy.deepcopy(reference), stage, "sgd", SMALL_BUCKET_MB, True)
-        ref_optimizer = torch.optim.SGD(reference.parameters(), **OPTIMIZERS["sgd"][2])
+        model, optimizer = build(
+            f"zero{stage}",
+            copy.deepcopy(reference),
+            OPTIMIZERS["sgd"],
+            bucket_cap_mb=SMALL_BUCKET_MB,
+            enable_async_communication=True,
+        )
+        ref_optimizer = OPTIMIZERS["sgd"].reference(reference.parameters())
         for step in range(3):
             for micro in range(micro_steps):
                 x, y = _xy(step * micro_steps + micro, rows)
@@ -431,8 +433,13 @@ def _frozen_tied_worker(rank: int, world_size: int) -> None:
         reference = make_model(0)
         for name, p in reference.named_parameters():
             p.requires_grad_(name not in FROZEN)
-        model, optimizer = _wrap(copy.deepcopy(reference), stage, "adamw", SMALL_BUCKET_MB, False)
-        ref_optimizer = torch.optim.AdamW(reference.parameters(), **OPTIMIZERS["adamw"][2])
+        model, optimizer = build(
+            f"zero{stage}",
+            copy.deepcopy(reference),
+            OPTIMIZERS["adamw"],
+            bucket_cap_mb=SMALL_BUCKET_MB,
+        )
+        ref_optimizer = OPTIMIZERS["adamw"].reference(reference.parameters())
         named = dict(model.module.named_parameters())
         # Tied: one Parameter, one slot; frozen: no slot, not a view of the buffer.
         assert model.module.lm_head.weight is named["transformer.wte.weight"]
@@ -488,7 +495,9 @@ def _continue(rank: int, world_size: int, model: nn.Module, optimizer: Any) -> D
 
 
 def _save_worker(rank: int, world_size: int, path: str) -> Dict[str, Any]:
-    model, optimizer = _wrap(make_model(0), 1, "adamw", SMALL_BUCKET_MB, False)
+    model, optimizer = build(
+        "zero1", make_model(0), OPTIMIZERS["adamw"], bucket_cap_mb=SMALL_BUCKET_MB
+    )
     for step in range(CKPT_STEPS[0]):
         x, y = (local_slice(t, rank, world_size) for t in _xy(step, CKPT_ROWS))
         _train_step(model, optimizer, x, y)
@@ -504,7 +513,13 @@ def _save_worker(rank: int, world_size: int, path: str) -> Dict[str, Any]:
 
 def _load_worker(rank: int, world_size: int, path: str, stage: int) -> Dict[str, Any]:
     checkpoint = torch.load(path, weights_only=True)
-    model, optimizer = _wrap(make_model(1), stage, "adamw", TINY_BUCKET_MB, True)  # other init
+    model, optimizer = build(
+        f"zero{stage}",
+        make_model(1),  # other init
+        OPTIMIZERS["adamw"],
+        bucket_cap_mb=TINY_BUCKET_MB,
+        enable_async_communication=True,
+    )
     model.load_state_dict(checkpoint["model"])
     optimizer.load_state_dict(checkpoint["optim"])
     optimizer.consolidate_state_dict(to=0)
@@ -547,7 +562,9 @@ def test_consolidated_state_resumes_at_any_world_size(
 def _errors_worker(rank: int, world_size: int) -> None:
     with pytest.raises(ValueError, match="does not belong to a Zero1-wrapped model"):
         Zero1AdamW(make_model(0).named_parameters(), lr=ADAM_LR)
-    model, optimizer = _wrap(make_model(0), 1, "adamw", SMALL_BUCKET_MB, False)
+    model, optimizer = build(
+        "zero1", make_model(0), OPTIMIZERS["adamw"], bucket_cap_mb=SMALL_BUCKET_MB
+    )
     with pytest.raises(ValueError, match="use Zero1SGD"):
         Zero2SGD(model.named_parameters(), lr=0.1)
     with pytest.raises(RuntimeError, match="consolidate_state_dict"):
@@ -555,7 +572,7 @@ def _errors_worker(rank: int, world_size: int) -> None:
     plain = make_model(0)
     with pytest.raises(ValueError, match="expects a state saved by consolidate_state_dict"):
         optimizer.load_state_dict(torch.optim.AdamW(plain.parameters()).state_dict())
-    sgd_model, sgd = _wrap(make_model(0), 1, "sgd", SMALL_BUCKET_MB, False)
+    sgd_model, sgd = build("zero1", make_model(0), OPTIMIZERS["sgd"], bucket_cap_mb=SMALL_BUCKET_MB)
     sgd.consolidate_state_dict(to=0)
     sgd_state = [sgd.state_dict() if rank == 0 else None]
     dist.broadcast_object_list(sgd_state, src=0)

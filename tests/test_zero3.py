@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 from example.model import GPT2Model, GPTConfigs
+from tests.build import adamw, build, sgd, zero3_table
 from tests.harness import run_distributed
 from tests.parity import PARAM_ATOL, check_parity, global_batch, lm_loss, local_slice, make_model
 from tiny_fsdp.core import comm
@@ -24,24 +25,9 @@ from tiny_fsdp.core.module import CallbackModule
 from tiny_fsdp.core.zero3 import Zero3, Zero3AdamW, Zero3SGD, zero3_partition_tensors
 
 CFG = GPTConfigs.gpt2_tiny
-OPTIMIZERS = {  # name -> (ours, torch reference, hyper-parameters)
-    "adamw": (Zero3AdamW, torch.optim.AdamW, dict(lr=1e-3, weight_decay=0.1)),
-    "sgd_momentum": (Zero3SGD, torch.optim.SGD, dict(lr=0.05, momentum=0.9)),
-}
+OPTIMIZERS = {"adamw": adamw(lr=1e-3, weight_decay=0.1), "sgd_momentum": sgd(lr=0.05, momentum=0.9)}
 # Frozen in some parity cases: a plain tensor, a bias, and the tied wte / lm_head pair.
 FROZEN = ("transformer.wpe.weight", "transformer.h.0.attn.c_attn.bias", "lm_head.weight")
-
-
-def _table(model: nn.Module, world_size: int, evenness: float = 0.0) -> Any:
-    tensors = OrderedDict(model.named_parameters())
-    return zero3_partition_tensors(tensors, ["cpu"] * world_size, evenness)[0]
-
-
-def _wrap(model: nn.Module, world_size: int, optim: str = "adamw", evenness: float = 0.0, **kw):
-    parts = _table(model, world_size, evenness)
-    zero3 = Zero3(model, parts, **kw)
-    ours, _, hyper = OPTIMIZERS[optim]
-    return zero3, ours(zero3.module.named_parameters(), param_part_table=parts, **hyper)
 
 
 def _local_bytes(tensors) -> int:
@@ -71,7 +57,9 @@ def _parity(rank: int, world_size: int) -> Dict[str, float]:
             if frozen:
                 _freeze(model)
             seen.append({n: p.shape for n, p in model.named_parameters()})
-            zero3, opt = _wrap(model, world_size, optim, evenness, prefetch_depth=depth)
+            zero3, opt = build(
+                "zero3", model, OPTIMIZERS[optim], evenness=evenness, prefetch_depth=depth
+            )
             zero3.enable_async_communication = async_on  # the attribute works like the arg
             seen.append((zero3, opt))
             return zero3, opt
@@ -79,8 +67,7 @@ def _parity(rank: int, world_size: int) -> Dict[str, float]:
         def reference_optimizer(reference: nn.Module):
             if frozen:
                 _freeze(reference)
-            _, torch_cls, hyper = OPTIMIZERS[optim]
-            return torch_cls(reference.parameters(), **hyper)
+            return OPTIMIZERS[optim].reference(reference.parameters())
 
         case = f"{optim} evenness={evenness} async={async_on} frozen={frozen}"
         result = check_parity(rank, world_size, wrap, reference_optimizer, lambda m: m.state_dict())
@@ -108,11 +95,11 @@ def _async_bitwise(rank: int, world_size: int) -> None:
         variants = [(False, 2), (True, 1), (True, 3)]  # (async, prefetch depth)
         models = []
         for async_on, depth in variants:
-            model, opt = _wrap(
+            model, opt = build(
+                "zero3",
                 make_model(3),
-                world_size,
-                "adamw",
-                0.5,
+                OPTIMIZERS["adamw"],
+                evenness=0.5,
                 enable_async_communication=async_on,
                 prefetch_depth=depth,
             )
@@ -162,7 +149,7 @@ def _memory(rank: int, world_size: int) -> None:
         base = make_model(0)
         if frozen:  # owned and broadcast like the others, but no gradient, no optimizer state
             _freeze(base)
-        model, opt = _wrap(base, world_size, "adamw", evenness)
+        model, opt = build("zero3", base, OPTIMIZERS["adamw"], evenness=evenness)
         parts = model.param_part_table
         owned = parts.rank_bytes[rank]
         params = list(model.module.parameters())  # the tied parameter once
@@ -236,8 +223,8 @@ def test_memory_is_the_owned_share(world_size: int) -> None:
 
 def _no_sync(rank: int, world_size: int) -> None:
     reference = make_model(4)
-    model, opt = _wrap(copy.deepcopy(reference), world_size, "sgd_momentum", 1.0)
-    ref_opt = torch.optim.SGD(reference.parameters(), **OPTIMIZERS["sgd_momentum"][2])
+    model, opt = build("zero3", copy.deepcopy(reference), OPTIMIZERS["sgd_momentum"], evenness=1.0)
+    ref_opt = OPTIMIZERS["sgd_momentum"].reference(reference.parameters())
     trainable = sum(model.param_part_table.nbytes.values())  # every tensor is trainable
     for step in range(3):
         for micro in range(3):
@@ -282,7 +269,7 @@ def _init_and_state_dict(rank: int, world_size: int) -> None:
             meta = GPT2Model(CFG)
         tensors = OrderedDict(meta.named_parameters())
         if evenness == 0.0:
-            parts = _table(meta, world_size, evenness)
+            parts = zero3_table(meta, evenness)
         else:  # no ranks_map: world size from the process group, device from the backend
             parts, _ = zero3_partition_tensors(tensors, evenness_priority=evenness)
             assert parts.world_size == world_size and parts.devices == (None,) * world_size
@@ -334,16 +321,16 @@ def _errors(rank: int, world_size: int) -> None:
         Zero3(make_model(0), other_size)
     no_bias = GPT2Model(dataclasses.replace(CFG, bias=False))
     with pytest.raises(ValueError, match="another model.*table names not in the model.*c_attn.b"):
-        Zero3(no_bias, _table(model, world_size))
+        Zero3(no_bias, zero3_table(model))
     wider = GPT2Model(dataclasses.replace(CFG, vocab_size=70))
     with pytest.raises(ValueError, match="another model: sizes differ.*wte.weight"):
-        Zero3(wider, _table(model, world_size))
+        Zero3(wider, zero3_table(model))
     with torch.device("meta"):
         meta = _NoInit()
     with pytest.raises(ValueError, match="no init_parameter"):
-        Zero3(meta, _table(meta, world_size))
+        Zero3(meta, zero3_table(meta))
 
-    parts = _table(model, world_size, 0.0)
+    parts = zero3_table(model, 0.0)
     with pytest.raises(ValueError, match="'transformer.wte.weight' is not managed by Zero3"):
         Zero3AdamW(make_model(0).named_parameters(), param_part_table=parts)
     zero3 = Zero3(model, parts)
@@ -351,7 +338,7 @@ def _errors(rank: int, world_size: int) -> None:
         Zero3SGD(zero3.module.named_parameters(), param_part_table=other_size)
     with pytest.raises(ValueError, match="ranks_map names 3 ranks"):
         Zero3SGD(zero3.module.parameters(), param_part_table=parts, ranks_map=["cpu"] * 3)
-    other_owners = _table(model, world_size, 1.0)
+    other_owners = zero3_table(model, 1.0)
     assert dict(other_owners) != dict(parts)
     with pytest.raises(ValueError, match="in param_part_table; pass the table the model was"):
         Zero3AdamW(zero3.module.named_parameters(), param_part_table=other_owners)

@@ -29,6 +29,8 @@ caches after ``free`` does not count, unlike RSS). ``peak_growth(device, fn)`` i
 value above the start while ``fn`` runs: CUDA's peak statistics, or on CPU a thread sampling
 every 0.2 ms (a spike shorter than that can be missed). Both are per process, so they see every
 tensor and buffer, also those of PyTorch's own strategies that the ledger cannot reach.
+``rss_bytes()`` / ``reset_peak_rss()`` read the process's resident memory and restart its peak
+(Linux ``/proc``): what the OS sees, allocator caches included.
 """
 
 import ctypes
@@ -234,3 +236,27 @@ def trim_heap() -> None:
     """Give the CPU heap's free memory back to the OS (glibc), so RSS shows what is in use."""
     if _LIBC is not None:
         _LIBC.malloc_trim(0)
+
+
+def rss_bytes(peak: bool = False) -> Optional[int]:
+    """Resident bytes of this process now (``VmRSS``), or at most since start or the last
+    ``reset_peak_rss()`` (``VmHWM``, ``peak=True``); None where ``/proc`` does not say."""
+    field = "VmHWM:" if peak else "VmRSS:"
+    try:
+        with open("/proc/self/status") as f:
+            kib = next((line.split()[1] for line in f if line.startswith(field)), None)
+    except OSError:
+        return None
+    return None if kib is None else int(kib) * 1024
+
+
+def reset_peak_rss() -> bool:
+    """Trim the heap, then restart the peak RSS from the current RSS (Linux >= 4.0); False if
+    the OS does not allow it."""
+    trim_heap()
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")  # 5: VmHWM := VmRSS
+    except OSError:
+        return False
+    return True

@@ -1,0 +1,196 @@
+"""Building, stepping and measuring the strategies ([Note: benchmark method] in
+``example/benchmark.py``): ours from ``example/strategies.py``, PyTorch's from ``pytorch.py``."""
+
+import argparse
+import gc
+import os
+import sys
+import time
+from typing import Any, Callable, Dict, List, Sequence, Tuple
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from example.bench.pytorch import (
+    build_torch,
+    counting_torch_collectives,
+    torch_ddp_traffic,
+)
+from example.data import TokenBatches
+from example.model import GPT2Model, GPTConfigs
+from example.strategies import STRATEGIES
+from tiny_fsdp.core.comm import LEDGER
+from tiny_fsdp.core.memory import (
+    allocated_bytes,
+    memory_ledger,
+    peak_growth,
+    reset_peak_rss,
+    rss_bytes,
+)
+from tiny_fsdp.core.utils.dist import DistEnv
+
+# Counterparts share a phase: they live in the same processes and take turns step by step.
+PHASES = [
+    ["single_device"],
+    ["ddp", "torch_ddp"],
+    ["zero1", "zero2", "torch_zero"],
+    ["zero3", "fsdp", "torch_fsdp2"],
+]
+NAMES = [name for phase in PHASES for name in phase]
+COUNTERPART = {"ddp": "torch_ddp", "zero1": "torch_zero", "zero2": "torch_zero"}
+COUNTERPART.update(zero3="torch_fsdp2", fsdp="torch_fsdp2")
+
+
+def select_phases(strategies: Sequence[str], compare: bool) -> List[List[str]]:
+    """The phases restricted to ``strategies`` (all if empty), plus each one's PyTorch
+    counterpart if ``compare``; in the order of ``PHASES``."""
+    unknown = sorted(set(strategies) - set(NAMES))
+    if unknown:
+        raise ValueError(f"unknown strategies {unknown}; choose from {NAMES}")
+    chosen = set(strategies or NAMES)
+    if compare:
+        chosen |= {COUNTERPART[s] for s in chosen if s in COUNTERPART}
+    phases = [[name for name in phase if name in chosen] for phase in PHASES]
+    return [phase for phase in phases if phase]
+
+
+def build(name: str, make_model: Callable[[], nn.Module], args: argparse.Namespace, env: DistEnv):
+    """``(model, optimizer, optimizer the memory ledger reads)`` of strategy ``name``."""
+    if name in STRATEGIES:
+        model, optimizer = STRATEGIES[name](make_model, args, env)
+        return model, optimizer, optimizer
+    return build_torch(name, make_model, args, env)
+
+
+class Runner:
+    """One strategy: its model, its optimizer, and what was measured."""
+
+    def __init__(self, name: str, args, env: DistEnv, batches: TokenBatches, make_model) -> None:
+        self.name, self.args, self.env, self.batches = name, args, env, batches
+        self.active = name != "single_device" or env.rank == 0  # single: rank 0 alone
+        self.times: List[float] = []
+        self.losses: List[float] = []
+        self.comm: Dict[str, Any] = {}
+        self.memory: Dict[str, Any] = {}
+        base_rss = None
+        if env.device.type == "cpu":
+            gc.collect()  # then freed heap goes back to the OS and the peak RSS restarts
+            base_rss = rss_bytes() if reset_peak_rss() else None
+        base = allocated_bytes(env.device)
+        if self.active:
+            self.model, self.optimizer, self.ledger_optimizer = build(name, make_model, args, env)
+        self.step(0)  # creates the optimizer state: part of what the strategy keeps
+        now, peak_rss = allocated_bytes(env.device), rss_bytes(peak=True)
+        self.memory["kept"] = None if base is None else now - base
+        no_rss = base_rss is None or peak_rss is None
+        self.memory["rss_increase"] = None if no_rss else peak_rss - base_rss
+
+    def step(self, index: int, timed: bool = False, probe: bool = False) -> None:
+        """Training step ``index`` on every rank; records loss (and time, traffic, memory)."""
+        env, args = self.env, self.args
+        single = self.name == "single_device"
+        rows, rank, world = args.batch_size, env.rank, env.world_size
+        if single:
+            rows, rank, world = args.batch_size * env.world_size, 0, 1
+        x, y = self.batches.get_batch(index, "train", rows, rank, world)
+        x, y = x.to(env.device), y.to(env.device)
+        loss = torch.zeros((), device=env.device)
+
+        def run() -> None:
+            nonlocal loss
+            if not self.active:
+                return
+            logits = self.model(x)  # (B, T, vocab)
+            loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1))
+            loss.backward()
+            self.optimizer.step()
+            if probe:
+                self.memory.update(memory_ledger(self.model, self.ledger_optimizer).as_dict())
+            self.optimizer.zero_grad(set_to_none=True)
+
+        LEDGER.reset()
+        dist.barrier()
+        start = time.perf_counter()
+        if probe:
+            torch_counts: Dict[str, List[int]] = {}
+            with counting_torch_collectives(torch_counts):
+                self.memory["step_growth"] = peak_growth(env.device, run)
+            ours = {k: [LEDGER.calls[k], LEDGER.payload_bytes[k]] for k in LEDGER.calls}
+            self.comm = ours if self.name in STRATEGIES else torch_counts
+            if self.name in ("torch_ddp", "torch_zero"):
+                self.comm.update(torch_ddp_traffic(self.model) or {"all_reduce": None})
+        else:
+            run()
+        if env.device.type == "cuda":
+            torch.cuda.synchronize(env.device)
+        elapsed = torch.tensor([time.perf_counter() - start], dtype=torch.float64)
+        loss_sum = loss.detach().double().cpu().reshape(1)
+        # Raw dist, not tiny_fsdp.core.comm: the benchmark's own traffic stays out of LEDGER.
+        dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
+        dist.all_reduce(loss_sum)  # single device: only rank 0's is non-zero
+        if timed:
+            self.times.append(elapsed.item())
+        self.losses.append(loss_sum.item() / (1 if single else world))
+
+    def result(self) -> Dict[str, Any]:
+        peak = None
+        if self.memory.get("kept") is not None and self.memory.get("step_growth") is not None:
+            peak = self.memory["kept"] + self.memory["step_growth"]
+        return dict(times=self.times, losses=self.losses, comm=self.comm, memory=self.memory,
+                    peak=peak, active=self.active)  # fmt: skip
+
+
+def warm_up_libraries(env: DistEnv) -> None:
+    """One throwaway step of a tiny model, plain and wrapped: lazy initialisations (autograd
+    threads, kernels, allocator pools) then do not count as the first strategy's memory."""
+    from tiny_fsdp.core.module import convert_module
+    from tiny_fsdp.core.optim import AdamW
+
+    for model in (GPT2Model(GPTConfigs.gpt2_tiny), convert_module(GPT2Model(GPTConfigs.gpt2_tiny))):
+        model.to(env.device)
+        optimizer = AdamW(model.parameters())
+        model(torch.zeros(1, 8, dtype=torch.long, device=env.device)).sum().backward()
+        optimizer.step()
+    dist.barrier()
+
+
+def run_phases(
+    args: argparse.Namespace, env: DistEnv, batches: TokenBatches, make_model: Callable
+) -> Tuple[Dict[str, List[dict]], List[float]]:
+    """Results per strategy (``[rank 0's, rank 1's, ...]``) ([Note: benchmark method]), and the
+    1-minute load average of the machine at every round."""
+    from tqdm import tqdm
+
+    warm_up_libraries(env)
+    phases = select_phases(args.strategies, args.compare)
+    total = sum(len(phase) for phase in phases) * (args.warmup + args.steps + 1)
+    bar = tqdm(total=total, disable=not env.is_master, file=sys.stderr, dynamic_ncols=True)
+    results: Dict[str, List[dict]] = {}
+    loads: List[float] = []
+    for phase in phases:
+        runners = []
+        for name in phase:
+            bar.set_description(f"build {name}")
+            runners.append(Runner(name, args, env, batches, make_model))
+            bar.update(1)
+        for index in range(1, args.warmup + args.steps):
+            loads.append(os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan"))
+            order = runners if index % 2 else runners[::-1]
+            for runner in order:
+                bar.set_description(runner.name)
+                runner.step(index, timed=index >= args.warmup)
+                bar.update(1)
+        for runner in runners:
+            bar.set_description(f"probe {runner.name}")
+            runner.step(args.warmup + args.steps, probe=True)
+            bar.update(1)
+        for runner in runners:
+            gathered: List[Any] = [None] * env.world_size
+            dist.all_gather_object(gathered, runner.result())
+            results[runner.name] = gathered
+        del runners
+        gc.collect()
+    bar.close()
+    return results, loads
