@@ -5,14 +5,10 @@ A checkpoint never depends on the strategy or world size that wrote it. Each ten
 ``model/<name>`` (a parameter or buffer) or ``optim/<param name>/<state key>``, where a
 parameter's name is its first one in ``model.named_parameters()`` (a tied weight has one id), and
 is stored as *pieces*: flat ranges ``[start, stop)`` of the full tensor in row-major order.
-Each strategy says which flat range of which full tensor its local storage is:
-
-- one device / DDP: whole tensors (when saving: rank 0 only, the others hold copies);
-- ZeRO-1/2: parameters whole (when saving: the rank's owned flat range of each, so writes are
-  balanced); optimizer state: the owned flat range ([Note: ZeRO flat layout]);
-- ZeRO-3: the whole tensors the rank owns, parameters and state;
-- FSDP: rows ``[r k, r k + valid)`` of dim 0, i.e. flat ``[r k w, (r k + valid) w)`` with ``k``
-  rows per shard and ``w`` elements per row ([Note: dim-0 shards]).
+Each strategy says which flat range of which full tensor its local storage is, and which range
+it writes when saving ([Note: strategy state]): whole tensors (one device, DDP; saved by rank 0),
+ZeRO-1/2's owned flat ranges ([Note: ZeRO flat layout]), the whole tensors a ZeRO-3 rank owns,
+FSDP's real rows of each dim-0 shard ([Note: dim-0 shards]).
 
 Saving, the ranges of all ranks cover every tensor exactly once. Loading, each rank fills every
 range it holds from the pieces overlapping it, whoever wrote them. Optimizer state values shaped
@@ -29,6 +25,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from tiny_fsdp.checkpoint.format import CheckpointError, CheckpointReader
+from tiny_fsdp.core.local_state import LocalPiece, StatePiece, replicated_piece
 
 SCALAR_KEYS = ("step",)  # 0-d state that is per parameter even when the parameter is 0-d
 
@@ -85,58 +82,81 @@ class Piece:
     data: Tensor
 
 
-def _whole(name: str, tensor: Tensor, shape: Optional[tuple] = None) -> Slice:
-    return Slice(name, tuple(tensor.shape if shape is None else shape), 0, tensor.numel(), tensor)
-
-
 class Adapter:
-    """One device and DDP: every rank holds whole tensors. Subclasses override the hooks."""
+    """The checkpoint's view of a model (a strategy wrapper or a plain module) and optimizer:
+    slices of full tensors, from what the strategy says it holds ([Note: strategy state])."""
 
     def __init__(self, model: nn.Module, optimizer: Optional[torch.optim.Optimizer]) -> None:
-        self.model = model
-        self.inner: nn.Module = getattr(model, "module", model) if _is_wrapper(model) else model
+        from tiny_fsdp.core.wrapper import DataParallelWrapper
+
+        self.wrapper = model if isinstance(model, DataParallelWrapper) else None
+        self.inner: nn.Module = model.module if self.wrapper is not None else model
         self.optimizer = optimizer
         initialised = dist.is_available() and dist.is_initialized()
         self.rank = dist.get_rank() if initialised else 0
         self.world_size = dist.get_world_size() if initialised else 1
-        self.names: Dict[int, str] = {id(p): n for n, p in self.inner.named_parameters()}
         first = next(iter(self.inner.parameters()), None)
         self.device = first.device if first is not None else torch.device("cpu")
+        self.names: Dict[int, str] = {id(p): n for n, p in self.inner.named_parameters()}
 
-    # ---------------------------------------------------------------- hooks per strategy
+    def _piece(self, param: nn.Parameter, saving: bool) -> Optional[LocalPiece]:
+        if self.wrapper is None:  # one device
+            return replicated_piece(param, self.rank, saving)
+        return self.wrapper.saved_piece(param) if saving else self.wrapper.local_piece(param)
+
+    def _slice(self, name: str, param: nn.Parameter, piece: LocalPiece) -> Slice:
+        shape = tuple(param.shape if self.wrapper is None else self.wrapper.full_shape(param))
+        return Slice(name, shape, piece.start, piece.start + piece.local.numel(), piece.local)
+
     def param_slices(self, name: str, param: nn.Parameter, saving: bool) -> List[Slice]:
-        return [] if saving and self.rank != 0 else [_whole(name, param.detach())]
+        piece = self._piece(param, saving)
+        return [] if piece is None else [self._slice(name, param, piece)]
 
     def state_slices(self, saving: bool) -> List[StateSlice]:
+        """The optimizer state this rank holds (or writes): its own pieces where the optimizer
+        describes them, else each parameter's state keyed by it, shaped like its piece."""
+        state_pieces = getattr(self.optimizer, "state_pieces", None)
+        if state_pieces is not None:
+            pieces = state_pieces(saving)
+        else:
+            pieces = []
+            for _, param in self.optimizer_params():
+                piece = self._piece(param, saving)
+                if piece is not None:
+                    pieces.append(StatePiece(param, piece.start, piece.local))
         out = []
-        for name, param in self.optimizer_params():
-            if not (saving and self.rank != 0):
-                out.append(self._state_of(_whole(name, param.detach()), param))
+        for sp in pieces:
+            s = self._slice(self.name_of(sp.param), sp.param, LocalPiece(sp.start, sp.local))
+            key = sp.param if state_pieces is None else sp.local
+            out.append(
+                StateSlice(
+                    s.name, s.shape, s.start, s.stop, s.local, self.optimizer.state, key, sp.master
+                )
+            )
         return out
 
     def before_load(self) -> None:
-        """Drop whatever a strategy derived from the parameters (prefetched copies ...)."""
+        if self.wrapper is not None:
+            self.wrapper.before_load()
 
     def after_model_load(self) -> None:
-        """Re-derive what depends on the parameters just loaded."""
+        if self.wrapper is not None:
+            self.wrapper.after_load()
 
     # ---------------------------------------------------------------- shared
-    def _state_of(self, s: Slice, key: Tensor, master: Optional[Tensor] = None) -> StateSlice:
-        store = self.optimizer.state
-        return StateSlice(s.name, s.shape, s.start, s.stop, s.local, store, key, master)
+    def name_of(self, param: torch.Tensor) -> str:
+        if id(param) not in self.names:
+            raise CheckpointError(
+                "the optimizer holds a parameter that is not the model's: build it "
+                "from the parameters of the same (wrapped) model"
+            )
+        return self.names[id(param)]
 
     def optimizer_params(self) -> List[Tuple[str, nn.Parameter]]:
         """(canonical name, parameter) for every parameter of the optimizer, in group order."""
-        out = []
-        for group in self.optimizer.param_groups:
-            for p in group["params"]:
-                if id(p) not in self.names:
-                    raise CheckpointError(
-                        "the optimizer holds a parameter that is not the model's: build it "
-                        "from the parameters of the same (wrapped) model"
-                    )
-                out.append((self.names[id(p)], p))
-        return out
+        return [
+            (self.name_of(p), p) for group in self.optimizer.param_groups for p in group["params"]
+        ]
 
     def model_keys(self) -> Dict[str, str]:
         """state-dict key -> tensor name (a tied key maps to its parameter's first name)."""
@@ -154,101 +174,14 @@ class Adapter:
         for key, value in self.inner.state_dict(keep_vars=True).items():
             # Buffers stay whole and equal on every rank in every strategy.
             if isinstance(value, Tensor) and id(value) not in params:
-                if not (saving and self.rank != 0):
-                    out.append(_whole(key, value.detach()))
+                piece = replicated_piece(value, self.rank, saving)
+                if piece is not None:
+                    out.append(Slice(key, tuple(value.shape), 0, value.numel(), piece.local))
         return out
-
-
-class Zero12Adapter(Adapter):
-    """ZeRO-1/2: parameters replicated in a flat buffer; state on the owned flat pieces."""
-
-    def param_slices(self, name: str, param: nn.Parameter, saving: bool) -> List[Slice]:
-        if not (saving and param.requires_grad):
-            return super().param_slices(name, param, saving)
-        piece = self.model.owned_pieces.get(self.model.index_of(param))
-        if piece is None:
-            return []
-        view = self.model.param_buffer.piece(piece)
-        return [
-            Slice(name, tuple(param.shape), piece.param_start, piece.param_start + len(view), view)
-        ]
-
-    def state_slices(self, saving: bool) -> List[StateSlice]:
-        opt = self.optimizer
-        params = self.optimizer_params()
-        separate = getattr(opt, "_master_shard", None) is not None
-        out = []
-        for owned in opt._all_pieces():
-            name, p = params[owned.opt_index]
-            start = owned.piece.param_start
-            s = Slice(name, tuple(p.shape), start, start + owned.piece.numel, owned.master)
-            out.append(self._state_of(s, owned.master, owned.master if separate else None))
-        return out
-
-    def after_model_load(self) -> None:
-        for optimizer in list(self.model._optimizers):
-            optimizer._masters_from_params()  # fp32 masters of low-precision parameters
-
-
-class Zero3Adapter(Adapter):
-    """ZeRO-3: whole tensors on their owner rank only."""
-
-    def _owned(self, param: nn.Parameter) -> Optional[Tuple[int, ...]]:
-        from tiny_fsdp.core.zero3.handler import ATTR
-
-        info = getattr(param, ATTR)
-        return tuple(info.shape) if info.owner == self.rank else None
-
-    def param_slices(self, name: str, param: nn.Parameter, saving: bool) -> List[Slice]:
-        shape = self._owned(param)
-        return [] if shape is None else [_whole(name, param.detach(), shape)]
-
-    def state_slices(self, saving: bool) -> List[StateSlice]:
-        return [
-            self._state_of(_whole(name, p.detach(), shape), p)
-            for name, p in self.optimizer_params()
-            if (shape := self._owned(p)) is not None
-        ]
-
-
-class FSDPAdapter(Adapter):
-    """FSDP: the real rows of each dim-0 shard (padding rows are not part of the tensor)."""
-
-    def _rows(self, name: str, param: nn.Parameter) -> Slice:
-        from tiny_fsdp.core.fsdp.sharded_param import shard_info
-
-        info = shard_info(param)
-        first = info.rank * info.shard_rows
-        local = param.detach()[: info.valid_rows]  # (valid_rows, *rest), a contiguous prefix
-        start = first * info.row_numel
-        return Slice(name, tuple(info.full_shape), start, start + local.numel(), local)
-
-    def param_slices(self, name: str, param: nn.Parameter, saving: bool) -> List[Slice]:
-        return [self._rows(name, param)]
-
-    def state_slices(self, saving: bool) -> List[StateSlice]:
-        return [self._state_of(self._rows(name, p), p) for name, p in self.optimizer_params()]
-
-    def before_load(self) -> None:
-        self.model._state.drop_transients()  # gathered / prefetched full params go stale
 
 
 def make_adapter(model: nn.Module, optimizer: Optional[torch.optim.Optimizer]) -> Adapter:
-    """The adapter of ``model``'s strategy (a plain module: one device)."""
-    from tiny_fsdp.core.fsdp import FSDP
-    from tiny_fsdp.core.zero import ZeroWrapper
-    from tiny_fsdp.core.zero3 import Zero3
-
-    for cls, adapter in ((FSDP, FSDPAdapter), (Zero3, Zero3Adapter), (ZeroWrapper, Zero12Adapter)):
-        if isinstance(model, cls):
-            return adapter(model, optimizer)
-    return Adapter(model, optimizer)  # DDP, or a single-device model
-
-
-def _is_wrapper(model: nn.Module) -> bool:
-    from tiny_fsdp.core.wrapper import DataParallelWrapper
-
-    return isinstance(model, DataParallelWrapper)
+    return Adapter(model, optimizer)
 
 
 # -------------------------------------------------------------------- export / import

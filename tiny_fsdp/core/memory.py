@@ -10,9 +10,10 @@ what a strategy really keeps. It looks at:
 - ``grads``: every ``param.grad``;
 - ``optimizer``: every tensor in ``optimizer.state``, and the state *keys* that are not the
   model's parameters (master copies: a low-precision strategy updates fp32 masters, not params);
-- the optional hook ``extra_state_tensors() -> {category: [tensors]}`` of the model wrapper and
-  of the optimizer, for what the generic walk cannot see: a gradient shard that is not any
-  ``param.grad``, persistent communication buckets (category ``buffers``), ...
+- ``extra_state_tensors() -> {category: [tensors]}`` of the model wrapper (and of the optimizer,
+  if it has one), for what the generic walk cannot see: a gradient shard that is not any
+  ``param.grad``, persistent communication buckets (category ``buffers``), ... ([Note: strategy
+  state])
 
 Each tensor is charged by its *storage*, and each storage once, in the order params, grads,
 optimizer, buffers. So the views of one flat buffer count once, as the whole buffer (padding
@@ -139,42 +140,9 @@ def _optimizer_tensors(
 
 
 def _extra_tensors(owner: object) -> ExtraTensors:
-    """``owner.extra_state_tensors()`` if it has one, else a built-in adapter, else nothing."""
-    if owner is None:
-        return {}
+    """``owner.extra_state_tensors()`` ([Note: strategy state]) if it has one, else nothing."""
     hook = getattr(owner, "extra_state_tensors", None)
-    if callable(hook):
-        return hook()
-    for cls, adapter in _adapters():
-        if isinstance(owner, cls):
-            return adapter(owner)
-    return {}
-
-
-# [Note: memory adapters]
-# Until the strategies implement ``extra_state_tensors()`` themselves, these adapters say what
-# each one keeps outside ``param.grad`` / ``optimizer.state``, from the wrappers' public
-# attributes. A wrapper with its own hook wins. Imported lazily: the strategies import ``core``.
-
-
-def _ddp_extra(ddp: nn.Module) -> ExtraTensors:
-    # Flat all-reduce buckets (gradients / N and one flag per parameter), kept between steps.
-    return {"buffers": [bucket.buffer for bucket in ddp.buckets]}
-
-
-def _zero_extra(wrapper: nn.Module) -> ExtraTensors:
-    # ZeRO-1: the full gradient buffer (param.grad are views of it, or None after zero_grad).
-    # ZeRO-2: the reduced gradient shard, which no param.grad points to.
-    if wrapper.stage == 1:
-        return {"grads": [wrapper.grad_buffer.data]}
-    return {"grads": [wrapper.grad_shard]}
-
-
-def _adapters() -> List[Tuple[type, Callable[[nn.Module], ExtraTensors]]]:
-    from tiny_fsdp.core.ddp import DDP
-    from tiny_fsdp.core.zero import ZeroWrapper
-
-    return [(DDP, _ddp_extra), (ZeroWrapper, _zero_extra)]
+    return hook() if callable(hook) else {}
 
 
 # ------------------------------------------------------------------ allocation meters

@@ -14,64 +14,68 @@ forwards calls to it, and exposes the switches users know from PyTorch DDP / FSD
   ``half()`` / ``bfloat16()`` / ``double()`` / ``to(dtype)`` raise and point to the policy
   (``float()`` too, unless it would change nothing).
 
-``state_dict()`` / ``load_state_dict()`` use the plain model's keys and full tensors.
+``state_dict()`` / ``load_state_dict()`` use the plain model's keys and full tensors; they are
+written once, here, from what each strategy says it holds ([Note: strategy state]).
+
+[Note: wrap-time checks]
+Every strategy runs the same checks, here, before it touches the model; it only declares what it
+needs (class attributes): the ``collectives`` it issues on parameters (checked against the
+backend and each parameter's device), whether it materialises a model built on ``meta``,
+whether it gives each parameter storage of its own (two distinct parameters sharing storage
+would be untied), and whether each rank updates only its local part (plain optimizers are then
+refused). The checks: a parameter may belong to one live wrapper only ([Note: ownership tag]);
+every rank must hold the same model (names, shapes, dtypes), or collectives would pair unrelated
+tensors. The wrapper then tags every parameter as its own.
 """
 
 import contextlib
-from typing import Any, Iterator, Mapping, Optional
+from collections import OrderedDict
+from typing import Any, Dict, Iterator, List, Mapping, NamedTuple, Optional, Sequence, Tuple
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
+from tiny_fsdp.core.local_state import LocalPiece, replicated_piece
 from tiny_fsdp.core.module import convert_module
+from tiny_fsdp.core.ownership import owner_of, tag_owner
 from tiny_fsdp.core.precision import (
     MixedPrecisionPolicy,
     check_master_dtypes,
     low_precision_error,
     register_input_cast,
 )
-from tiny_fsdp.core.utils.dist import require_process_group
+from tiny_fsdp.core.utils.dist import check_backend_device, require_process_group
+from tiny_fsdp.core.wrap_checks import (
+    check_no_shared_storage,
+    check_not_wrapped,
+    check_same_model_on_all_ranks,
+)
 
 
-def check_same_model_on_all_ranks(module: nn.Module, what: str) -> None:
-    """Raise on every rank if the ranks' parameters / buffers differ in name, shape or dtype.
+class IncompatibleKeys(NamedTuple):
+    """What ``load_state_dict(strict=False)`` did not match (as ``torch.nn``'s result)."""
 
-    Mismatched models would otherwise pair unrelated tensors in the collectives.
-    """
-    from tiny_fsdp.core import comm
-
-    signature = [
-        (name, tuple(t.shape), str(t.dtype), bool(t.requires_grad))
-        for name, t in [*module.named_parameters(), *module.named_buffers()]
-    ]
-    signatures = comm.all_gather_object(signature)
-    for rank, other in enumerate(signatures):
-        if other != signatures[0]:
-            diff = sorted(set(other) ^ set(signatures[0]))[:4]
-            raise ValueError(
-                f"{what}: rank {rank}'s model differs from rank 0's (name, shape, dtype, "
-                f"requires_grad); e.g. {diff}. Build the same model on every rank."
-            )
-
-
-def check_no_shared_storage(module: nn.Module, what: str) -> None:
-    """Raise if two distinct parameters share storage: sharding each on its own unties them."""
-    seen = {}
-    for name, param in module.named_parameters():  # a tied Parameter (one object) comes once
-        if param.device.type == "meta" or param.numel() == 0:
-            continue
-        key = (param.device, param.untyped_storage().data_ptr())
-        if key in seen:
-            raise ValueError(
-                f"{what}: parameters '{seen[key]}' and '{name}' share storage but are distinct "
-                f"Parameter objects, which {what} would shard separately (untying them). Tie "
-                "them by assigning one Parameter to both modules (e.g. b.weight = a.weight)."
-            )
-        seen[key] = name
+    missing_keys: List[str]
+    unexpected_keys: List[str]
 
 
 class DataParallelWrapper(nn.Module):
-    """Base class of ``DDP``, ``Zero1``, ``Zero2``, ``Zero3`` and ``FSDP`` model wrappers."""
+    """Base class of ``DDP``, ``Zero1``, ``Zero2``, ``Zero3`` and ``FSDP`` model wrappers.
+
+    A strategy declares what it needs ([Note: wrap-time checks]) and what it holds ([Note:
+    strategy state]); the defaults describe a replicated strategy (every rank holds every
+    tensor whole).
+    """
+
+    #: Collectives the strategy issues on parameters (checked against backend and devices).
+    collectives: Tuple[str, ...] = ("broadcast", "all_reduce")
+    #: The strategy initialises a model built on ``meta`` itself.
+    materializes_meta: bool = False
+    #: The strategy gives every parameter storage of its own (flat buffers, shards).
+    separates_storage: bool = False
+    #: Each rank updates only its local part: the strategy's own optimizer is required.
+    updates_local_part: bool = False
 
     def __init__(
         self,
@@ -86,11 +90,32 @@ class DataParallelWrapper(nn.Module):
                 f"mixed_precision must be a MixedPrecisionPolicy or None, got {mixed_precision!r}"
             )
         self.module = convert_module(module)
+        self._check_and_claim()
         check_master_dtypes(self.module, mixed_precision)
         self.mixed_precision = mixed_precision
         register_input_cast(self.module, mixed_precision)  # hooks the inner model: every forward
         self.require_backward_grad_sync = True
         self.enable_async_communication = enable_async_communication
+
+    def _check_and_claim(self) -> None:
+        """[Note: wrap-time checks]; then every parameter is tagged as this wrapper's."""
+        what = type(self).__name__
+        check_not_wrapped(self.module, what)
+        named = list(self.module.named_parameters())
+        check_backend_device(named, what, self.collectives, allow_meta=self.materializes_meta)
+        if self.separates_storage:
+            check_no_shared_storage(self.module, what)
+        check_same_model_on_all_ranks(self.module, what)
+        self.claim(param for _, param in named)
+
+    def claim(self, params: Any) -> None:
+        """Tag ``params`` as managed by this wrapper (also new objects made at wrap time)."""
+        for param in params:
+            tag_owner(param, self)
+
+    def manages(self, tensor: torch.Tensor) -> bool:
+        """True if ``tensor`` is a parameter of this wrapper's model."""
+        return owner_of(tensor) is self
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         return self.module(*args, **kwargs)
@@ -105,18 +130,99 @@ class DataParallelWrapper(nn.Module):
         finally:
             self.require_backward_grad_sync = previous
 
-    def state_dict(self, *args: Any, **kwargs: Any) -> Any:
-        """The plain model's state dict; sharded strategies override it to gather full tensors."""
-        return self.module.state_dict(*args, **kwargs)
+    # ------------------------------------------------------------ what this rank holds
+    # [Note: strategy state]. Defaults: a replicated strategy; sharded ones override.
 
+    def full_tensor(self, param: torch.Tensor) -> torch.Tensor:
+        """``param``'s full tensor (a collective where it is split: call on every rank)."""
+        return param.detach()
+
+    def full_shape(self, param: torch.Tensor) -> Tuple[int, ...]:
+        return tuple(param.shape)
+
+    def load_full_(self, param: torch.Tensor, full: torch.Tensor) -> None:
+        """Set what this rank holds of ``param`` from its full tensor ``full``."""
+        param.detach().copy_(full)
+
+    def local_piece(self, param: torch.Tensor) -> Optional[LocalPiece]:
+        return LocalPiece(0, param.detach())
+
+    def saved_piece(self, param: torch.Tensor) -> Optional[LocalPiece]:
+        return replicated_piece(param, dist.get_rank(), saving=True)
+
+    def before_load(self) -> None:
+        """Parameters are about to be overwritten: drop what was derived from them."""
+
+    def after_load(self) -> None:
+        """Parameters were overwritten: re-derive what depends on them."""
+
+    def extra_state_tensors(self) -> Dict[str, Sequence[torch.Tensor]]:
+        """Tensors kept between steps besides ``param.grad`` and optimizer state, by category
+        of the memory ledger ([Note: memory ledger])."""
+        return {}
+
+    # ------------------------------------------------------------ state dicts
+
+    def state_dict(
+        self, *, destination: Optional[Dict] = None, prefix: str = "", keep_vars: bool = False
+    ) -> Dict[str, Any]:
+        """Full tensors under the plain model's keys (tied keys included). Call on every rank:
+        a strategy that splits tensors gathers them."""
+        out = OrderedDict() if destination is None else destination
+        full: Dict[int, torch.Tensor] = {}  # a tied parameter is gathered once
+        for key, value in self.module.state_dict(keep_vars=True).items():
+            if not self.manages(value):  # a buffer (or extra state): every rank has it
+                out[prefix + key] = (
+                    value if keep_vars or not torch.is_tensor(value) else value.detach()
+                )
+                continue
+            if id(value) not in full:
+                tensor = self.full_tensor(value)
+                full[id(value)] = value if keep_vars and tensor is value else tensor
+            out[prefix + key] = full[id(value)]
+        return out
+
+    @torch.no_grad()
     def load_state_dict(
         self, state_dict: Mapping[str, Any], strict: bool = True, assign: bool = False
-    ) -> Any:
-        """Load a plain-model state dict on this rank (load the same one on every rank)."""
+    ) -> IncompatibleKeys:
+        """Load full tensors under the plain model's keys (the same dict on every rank); each
+        rank keeps what it holds of every tensor."""
+        what = type(self).__name__
         if assign:
             # New parameter objects would lose the strategy's hooks, views and shards.
-            raise ValueError(f"{type(self).__name__}.load_state_dict does not support assign=True")
-        return self.module.load_state_dict(state_dict, strict=strict)
+            raise ValueError(f"{what}.load_state_dict does not support assign=True")
+        own = self.module.state_dict(keep_vars=True)
+        missing = [key for key in own if key not in state_dict]
+        unexpected = [key for key in state_dict if key not in own]
+        if strict and (missing or unexpected):
+            raise RuntimeError(
+                f"{what}.load_state_dict: missing keys {missing}, unexpected keys {unexpected}. "
+                f"Keys are the plain model's (e.g. {next(iter(own), '')!r}), without 'module.'."
+            )
+        for key, target in own.items():
+            if key in state_dict and torch.is_tensor(target):
+                expected = self.full_shape(target) if self.manages(target) else target.shape
+                if tuple(state_dict[key].shape) != tuple(expected):
+                    raise RuntimeError(
+                        f"{what}.load_state_dict: size mismatch for {key}: shape "
+                        f"{tuple(state_dict[key].shape)} in the state dict, {tuple(expected)} "
+                        "in the model"
+                    )
+        self.before_load()
+        for key, target in own.items():
+            if key not in state_dict:
+                continue
+            source = state_dict[key]
+            if not torch.is_tensor(target):
+                continue
+            source = source.to(target.device, target.dtype)
+            if self.manages(target):
+                self.load_full_(target, source)
+            else:
+                target.copy_(source)
+        self.after_load()
+        return IncompatibleKeys(missing, unexpected)
 
     @property
     def gradient_checkpointing(self) -> bool:

@@ -19,8 +19,7 @@ the next synchronised backward sends the accumulated total. As with ``torch``'s 
 after a synchronised one (no ``zero_grad`` between) adds onto the averaged ``param.grad``.
 """
 
-import weakref
-from typing import List, Optional
+from typing import Dict, List, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -31,17 +30,13 @@ from tiny_fsdp.core.bucketed_backward import BucketedBackward
 from tiny_fsdp.core.ddp.bucket import AllReduceBuckets, GradBucket
 from tiny_fsdp.core.module import CallbackModule
 from tiny_fsdp.core.precision import MixedPrecisionHandler, MixedPrecisionPolicy
-from tiny_fsdp.core.utils.dist import check_backend_device
-from tiny_fsdp.core.wrapper import DataParallelWrapper, check_same_model_on_all_ranks
-
-# Set on every parameter of a DDP-wrapped module: a weak reference to the wrapper.
-_OWNER_ATTR = "_tiny_fsdp_ddp_owner"
+from tiny_fsdp.core.ownership import owner_of
+from tiny_fsdp.core.wrapper import DataParallelWrapper
 
 
 def is_ddp_param(tensor: torch.Tensor) -> bool:
     """True if ``tensor`` is a parameter of a live ``DDP``-wrapped module."""
-    owner = getattr(tensor, _OWNER_ATTR, None)
-    return owner is not None and owner() is not None
+    return isinstance(owner_of(tensor), DDP)
 
 
 class DDP(DataParallelWrapper):
@@ -73,13 +68,6 @@ class DDP(DataParallelWrapper):
         if not bucket_cap_mb > 0:
             raise ValueError(f"bucket_cap_mb must be positive, got {bucket_cap_mb}")
         params = list(self.module.parameters())  # deduplicated: a tied parameter appears once
-        for name, p in self.module.named_parameters():
-            if is_ddp_param(p):
-                raise ValueError(
-                    f"parameter '{name}' already belongs to another DDP wrapper; wrap a model once"
-                )
-        check_backend_device(self.module.named_parameters(), "DDP", ("broadcast", "all_reduce"))
-        check_same_model_on_all_ranks(self.module, "DDP")
         _broadcast_from_rank0(self.module)
 
         self.bucket_cap_mb = bucket_cap_mb
@@ -95,10 +83,11 @@ class DDP(DataParallelWrapper):
             for layer in self.module.modules():
                 if isinstance(layer, CallbackModule):
                     layer.param_handler = handler
-        owner = weakref.ref(self)
-        for p in params:
-            setattr(p, _OWNER_ATTR, owner)
         self._backward = BucketedBackward(self, store)
+
+    def extra_state_tensors(self) -> Dict[str, Sequence[torch.Tensor]]:
+        # Flat all-reduce buckets (gradients / N and one flag per parameter), kept between steps.
+        return {"buffers": [bucket.buffer for bucket in self.buckets]}
 
 
 @torch.no_grad()

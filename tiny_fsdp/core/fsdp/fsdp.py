@@ -15,8 +15,7 @@ The tied GPT-2 weight stays one Parameter with one shard: ``wte`` and ``lm_head`
 and each reduce-scatter their own part of its gradient, which autograd sums into ``.grad``.
 """
 
-from collections import OrderedDict
-from typing import Any, Dict, Iterable, List, Mapping, NamedTuple, Optional, Tuple, Union
+from typing import Any, Dict, Iterable, List, Optional, Tuple, Union
 
 import torch
 import torch.distributed as dist
@@ -27,18 +26,10 @@ from tiny_fsdp.core.fsdp.handler import FSDPHandler
 from tiny_fsdp.core.fsdp.sharded_param import shard_info, shard_module
 from tiny_fsdp.core.fsdp.state import FSDPState
 from tiny_fsdp.core.fsdp.unit import GatherUnit, unit_layers
+from tiny_fsdp.core.local_state import LocalPiece
 from tiny_fsdp.core.precision import MixedPrecisionPolicy
 from tiny_fsdp.core.utils.dist import require_process_group
-from tiny_fsdp.core.wrapper import (
-    DataParallelWrapper,
-    check_no_shared_storage,
-    check_same_model_on_all_ranks,
-)
-
-
-class IncompatibleKeys(NamedTuple):
-    missing_keys: List[str]
-    unexpected_keys: List[str]
+from tiny_fsdp.core.wrapper import DataParallelWrapper
 
 
 class FSDP(DataParallelWrapper):
@@ -65,6 +56,11 @@ class FSDP(DataParallelWrapper):
             shards, their ``.grad`` and the optimizer state stay fp32 ([Note: mixed precision]).
     """
 
+    collectives = ("all_gather", "reduce_scatter", "broadcast")
+    materializes_meta = True
+    separates_storage = True
+    updates_local_part = True
+
     def __init__(
         self,
         module: nn.Module,
@@ -85,9 +81,8 @@ class FSDP(DataParallelWrapper):
         self._state = FSDPState(world_size, rank, reshard_after_forward, prefetch_limit)
         super().__init__(module, enable_async_communication, mixed_precision)
         self._state.policy = mixed_precision
-        check_no_shared_storage(self.module, "FSDP")
-        check_same_model_on_all_ranks(self.module, "FSDP")
         shard_module(self.module, rank, world_size, device, sync_module_states)
+        self.claim(self.module.parameters())  # meta parameters were replaced by new objects
         per_tensor = isinstance(unit, str) and unit == "tensor"
         for name, layers in unit_layers(self.module, unit):
             gather_unit = GatherUnit(name, layers, self._state, per_tensor)
@@ -142,55 +137,30 @@ class FSDP(DataParallelWrapper):
     def reset_peak_memory_stats(self) -> None:
         self._state.peak_gathered_bytes = self._state.gathered_bytes
 
-    # ---------------------------------------------------------------- checkpoints
-    def state_dict(
-        self, *, destination: Optional[Dict] = None, prefix: str = "", keep_vars: bool = False
-    ) -> Dict[str, torch.Tensor]:
-        """Full tensors under the plain model's keys (tied keys included). Call on every rank."""
-        out = OrderedDict() if destination is None else destination
-        gathered: Dict[int, torch.Tensor] = {}  # a tied parameter is gathered once
-        for key, value in self.module.state_dict(keep_vars=True).items():
-            info = shard_info(value)
-            if info is None:
-                out[prefix + key] = value if keep_vars else value.detach()
-                continue
-            if id(value) not in gathered:
-                flat = value.new_empty(info.world_size * info.shard_numel)
-                comm.all_gather(flat, value.detach().reshape(-1))
-                gathered[id(value)] = info.full_view(flat).clone()  # drop the padding
-            out[prefix + key] = gathered[id(value)]
-        return out
+    # ---------------------------------------------------------------- what this rank holds
+    def full_tensor(self, param: torch.Tensor) -> torch.Tensor:
+        info = shard_info(param)
+        flat = param.new_empty(info.world_size * info.shard_numel)
+        comm.all_gather(flat, param.detach().reshape(-1))
+        return info.full_view(flat).clone()  # drop the padding
 
-    def load_state_dict(
-        self, state_dict: Mapping[str, torch.Tensor], strict: bool = True, assign: bool = False
-    ) -> IncompatibleKeys:
-        """Load full tensors (plain model keys) by keeping this rank's shard of each."""
-        if assign:
-            raise NotImplementedError("FSDP.load_state_dict shards into the existing params")
-        own = self.module.state_dict(keep_vars=True)
-        missing = [key for key in own if key not in state_dict]
-        unexpected = [key for key in state_dict if key not in own]
-        if strict and (missing or unexpected):
-            raise RuntimeError(
-                f"FSDP.load_state_dict: missing keys {missing}, unexpected keys {unexpected}. "
-                f"Keys are the plain model's (e.g. {next(iter(own), '')!r}), without 'module.'."
-            )
-        self._state.drop_transients()  # prefetched or held params would be stale
-        with torch.no_grad():
-            for key, target in own.items():
-                if key not in state_dict:
-                    continue
-                source = state_dict[key]
-                info = shard_info(target)
-                shape = tuple(info.full_shape if info is not None else target.shape)
-                if tuple(source.shape) != shape:
-                    raise RuntimeError(
-                        f"FSDP.load_state_dict: '{key}' has shape {tuple(source.shape)}, "
-                        f"the model expects {shape}"
-                    )
-                source = source.to(target.device, target.dtype)
-                target.copy_(info.shard_of(source) if info is not None else source)
-        return IncompatibleKeys(missing, unexpected)
+    def full_shape(self, param: torch.Tensor) -> Tuple[int, ...]:
+        return tuple(shard_info(param).full_shape)
+
+    def load_full_(self, param: torch.Tensor, full: torch.Tensor) -> None:
+        param.detach().copy_(shard_info(param).shard_of(full))
+
+    def local_piece(self, param: torch.Tensor) -> Optional[LocalPiece]:
+        """The real rows of the shard (padding rows are not part of the tensor)."""
+        info = shard_info(param)
+        start = info.rank * info.shard_rows * info.row_numel
+        return LocalPiece(start, param.detach()[: info.valid_rows])  # a contiguous prefix
+
+    def saved_piece(self, param: torch.Tensor) -> Optional[LocalPiece]:
+        return self.local_piece(param)
+
+    def before_load(self) -> None:
+        self._state.drop_transients()  # gathered / prefetched full parameters go stale
 
 
 def _check_group(world_size: Optional[int], rank: Optional[int]) -> Tuple[int, int]:

@@ -23,7 +23,6 @@ import torch.distributed as dist
 from torch import nn
 
 from tiny_fsdp.core import comm
-from tiny_fsdp.core.optim.base import STRATEGY_OF_PARAM
 
 # Attribute set on every sharded nn.Parameter; its presence is what marks a tensor as a shard.
 SHARD_ATTR = "_tiny_fsdp_shard"
@@ -141,9 +140,6 @@ class ShardedParam:
 def shard_info(tensor: torch.Tensor) -> Optional[ShardedParam]:
     """The ``ShardedParam`` of an FSDP-sharded parameter, else None."""
     return getattr(tensor, SHARD_ATTR, None)
-
-
-STRATEGY_OF_PARAM.append(lambda p: "FSDP" if shard_info(p) is not None else None)
 
 
 def make_shard_parameter(

@@ -106,23 +106,21 @@ def normalize_param_groups(params: ParamsT) -> list[dict[str, Any]]:
     return groups
 
 
-#: ``param -> name of the wrapper managing it`` ("Zero1", "Zero3", "FSDP"...) or None: one function
-#: per strategy whose parameters a plain optimizer would update wrongly (registered at import).
-STRATEGY_OF_PARAM: list[Callable[[Tensor], Optional[str]]] = []
-
-
 def reject_strategy_params(optimizer: str, group: dict[str, Any]) -> None:
-    """Raise ValueError if a parameter of ``group`` belongs to a sharding strategy's model."""
+    """Raise ValueError if a parameter of ``group`` belongs to a wrapper whose ranks each update
+    only their local part ([Note: ownership tag]): a plain optimizer would update it wrongly."""
+    from tiny_fsdp.core.ownership import owner_of
+
     for name, param in zip(group["param_names"], group["params"]):
-        for strategy_of in STRATEGY_OF_PARAM:
-            owner = strategy_of(param)
-            if owner is not None:
-                article = "an" if owner[0] in "AEFHILMNORSX" else "a"
-                raise ValueError(
-                    f"{optimizer}: parameter '{name}' belongs to {article} {owner}-wrapped model, "
-                    "whose optimizer updates only this rank's part; use "
-                    f"{owner}AdamW / {owner}SGD with the wrapped model's parameters"
-                )
+        owner = owner_of(param)
+        if owner is not None and owner.updates_local_part:
+            kind = type(owner).__name__
+            article = "an" if kind[0] in "AEFHILMNORSX" else "a"
+            raise ValueError(
+                f"{optimizer}: parameter '{name}' belongs to {article} {kind}-wrapped model, "
+                "whose optimizer updates only this rank's part; use "
+                f"{kind}AdamW / {kind}SGD with the wrapped model's parameters"
+            )
 
 
 class BaseOptimizer(torch.optim.Optimizer):

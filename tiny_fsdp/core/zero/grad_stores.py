@@ -115,6 +115,10 @@ class ZeroGradStore(ABC):
         """``param.grad / N`` into its bucket's ``_source`` (``param.grad`` None: zeros)."""
 
     @abstractmethod
+    def held_grads(self) -> List[torch.Tensor]:
+        """Gradient tensors kept between steps that are no ``param.grad`` (memory ledger)."""
+
+    @abstractmethod
     def reduced_grad(self, piece: Piece) -> torch.Tensor:
         """(piece.numel,) view of ``piece``'s averaged gradient after a synchronised backward."""
 
@@ -163,6 +167,9 @@ class FullGradBuffer(ZeroGradStore):
 
     def reduced_grad(self, piece: Piece) -> torch.Tensor:
         return self.buffer.piece(piece)
+
+    def held_grads(self) -> List[torch.Tensor]:
+        return [self.buffer.data]  # param.grad are views of it (or None after zero_grad)
 
     def _source(self, bucket: int) -> torch.Tensor:
         return self.buffer.bucket(bucket)
@@ -221,6 +228,9 @@ class StagedGradShard(ZeroGradStore):
 
     def reduced_grad(self, piece: Piece) -> torch.Tensor:
         return shard_piece(self.shard, piece)
+
+    def held_grads(self) -> List[torch.Tensor]:
+        return [self.shard]  # no param.grad points to it
 
     def _source(self, bucket: int) -> torch.Tensor:
         staging = self._staging[bucket]

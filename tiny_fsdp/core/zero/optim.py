@@ -27,6 +27,7 @@ from typing import Any, Callable, Dict, List, Mapping, Optional, Type
 import torch
 from torch import Tensor
 
+from tiny_fsdp.core.local_state import StatePiece
 from tiny_fsdp.core.optim import SGD, AdamW
 from tiny_fsdp.core.zero.consolidated_state import check_loadable, consolidate, slice_pieces
 from tiny_fsdp.core.zero.flat_buffer import Piece, shard_piece
@@ -150,11 +151,25 @@ class _ZeroOptimizer:
         self._wrapper.all_gather_params()
 
     @torch.no_grad()
-    def _masters_from_params(self) -> None:
+    def reload_masters(self) -> None:
         """Re-read separate masters after the model's parameters were loaded."""
         if self._master_shard is not None:
             for op in self._all_pieces():
                 op.master.copy_(op.param)
+
+    def state_pieces(self, saving: bool) -> List[StatePiece]:
+        """The owned pieces, whose state is keyed by their masters ([Note: strategy state])."""
+        params = [p for g in self.param_groups for p in g["params"]]
+        separate = self._master_shard is not None
+        return [
+            StatePiece(
+                params[op.opt_index],
+                op.piece.param_start,
+                op.master,
+                op.master if separate else None,
+            )
+            for op in self._all_pieces()
+        ]
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Clear the wrapped model's gradients (see ``ZeroWrapper.zero_grad``)."""

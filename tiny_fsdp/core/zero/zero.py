@@ -12,7 +12,7 @@ updated parameters. Collectives: [Note: ZeRO collectives on gloo].
 """
 
 import weakref
-from typing import Any, Dict, List, Mapping, Optional, Type
+from typing import Any, Dict, List, Optional, Sequence, Type
 
 import torch
 import torch.distributed as dist
@@ -20,14 +20,11 @@ from torch import nn
 
 from tiny_fsdp.core import comm
 from tiny_fsdp.core.bucketed_backward import BucketedBackward
-from tiny_fsdp.core.optim.base import STRATEGY_OF_PARAM
 from tiny_fsdp.core.precision import MixedPrecisionPolicy
-from tiny_fsdp.core.utils.dist import check_backend_device
-from tiny_fsdp.core.wrapper import (
-    DataParallelWrapper,
-    check_no_shared_storage,
-    check_same_model_on_all_ranks,
-)
+from tiny_fsdp.core.local_state import LocalPiece
+from tiny_fsdp.core.local_state import replicated_piece
+from tiny_fsdp.core.ownership import owner_of
+from tiny_fsdp.core.wrapper import DataParallelWrapper
 from tiny_fsdp.core.zero.flat_buffer import (
     FlatBuffer,
     FlatLayout,
@@ -37,22 +34,11 @@ from tiny_fsdp.core.zero.flat_buffer import (
 )
 from tiny_fsdp.core.zero.grad_stores import FullGradBuffer, StagedGradShard, ZeroGradStore
 
-# Set on every parameter (trainable or frozen) of a ZeRO-wrapped module: a weak ref to the wrapper.
-_OWNER_ATTR = "_tiny_fsdp_zero_owner"
-
 
 def zero_owner(tensor: torch.Tensor) -> Optional["ZeroWrapper"]:
     """The live ZeRO-1/2 wrapper whose model holds ``tensor`` as a parameter, or None."""
-    ref = getattr(tensor, _OWNER_ATTR, None)
-    return ref() if ref is not None else None
-
-
-def _zero_strategy(tensor: torch.Tensor) -> Optional[str]:
-    owner = zero_owner(tensor)
-    return None if owner is None else f"Zero{owner.stage}"
-
-
-STRATEGY_OF_PARAM.append(_zero_strategy)
+    owner = owner_of(tensor)
+    return owner if isinstance(owner, ZeroWrapper) else None
 
 
 class ZeroWrapper(DataParallelWrapper):
@@ -81,6 +67,9 @@ class ZeroWrapper(DataParallelWrapper):
     """
 
     grad_store: Optional[Type[ZeroGradStore]] = None
+    collectives = ("broadcast", "all_reduce")  # on gloo; NCCL: reduce-scatter / all-gather
+    separates_storage = True  # the flat buffer
+    updates_local_part = True
 
     def __init__(
         self,
@@ -102,13 +91,6 @@ class ZeroWrapper(DataParallelWrapper):
         if not bucket_cap_mb > 0:
             raise ValueError(f"bucket_cap_mb must be positive, got {bucket_cap_mb}")
         named = list(self.module.named_parameters())  # a tied parameter appears once
-        for name, p in named:
-            if any(_live_owner(p, attr) for attr in vars(p)):
-                raise ValueError(f"parameter '{name}' already belongs to a wrapper; wrap once")
-        what = type(self).__name__
-        check_backend_device(named, what, ("broadcast", "all_reduce"))  # gloo: no reduce-scatter
-        check_no_shared_storage(self.module, what)
-        check_same_model_on_all_ranks(self.module, type(self).__name__)
         trainable = [(name, p) for name, p in named if p.requires_grad]
         if not trainable:
             raise ValueError(f"{type(self).__name__}: the model has no trainable parameter")
@@ -148,9 +130,6 @@ class ZeroWrapper(DataParallelWrapper):
 
         self._grads = self.grad_store(self.params, self.layout, dtype, device, self.rank)
         self._optimizers: "weakref.WeakSet[Any]" = weakref.WeakSet()
-        owner = weakref.ref(self)
-        for _, p in named:
-            setattr(p, _OWNER_ATTR, owner)
         self._backward = BucketedBackward(self, self._grads)
 
     @torch.no_grad()
@@ -218,27 +197,24 @@ class ZeroWrapper(DataParallelWrapper):
         """
         self._grads.zero_grad(set_to_none)
 
-    # Read by core/memory.py (until strategies describe their own state).
-    @property
-    def grad_buffer(self) -> Optional[FlatBuffer]:
-        """ZeRO-1's full gradient buffer (None for ZeRO-2)."""
-        return self._grads.buffer if isinstance(self._grads, FullGradBuffer) else None
+    # ------------------------------------------------------------------ what this rank holds
 
-    @property
-    def grad_shard(self) -> Optional[torch.Tensor]:
-        """ZeRO-2's reduced gradient shard (shard_numel,) (None for ZeRO-1)."""
-        return self._grads.shard if isinstance(self._grads, StagedGradShard) else None
+    def saved_piece(self, param: torch.Tensor) -> Optional[LocalPiece]:
+        """A trainable parameter: this rank's owned piece of it (balanced writes)."""
+        index = self._index.get(id(param))
+        if index is None:  # frozen: replicated
+            return replicated_piece(param, self.rank, saving=True)
+        piece = self.owned_pieces.get(index)
+        return (
+            None if piece is None else LocalPiece(piece.param_start, self.param_buffer.piece(piece))
+        )
 
-    # ------------------------------------------------------------------ checkpoints
-
-    def load_state_dict(
-        self, state_dict: Mapping[str, Any], strict: bool = True, assign: bool = False
-    ) -> Any:
-        """Load a plain-model state dict (the same on every rank); refreshes optimizer masters."""
-        result = super().load_state_dict(state_dict, strict, assign)  # copies into views
+    def after_load(self) -> None:
         for optimizer in list(self._optimizers):
-            optimizer._masters_from_params()
-        return result
+            optimizer.reload_masters()  # fp32 masters of low-precision parameters
+
+    def extra_state_tensors(self) -> Dict[str, Sequence[torch.Tensor]]:
+        return {"grads": self._grads.held_grads()}
 
 
 class Zero1(ZeroWrapper):
@@ -251,11 +227,3 @@ class Zero2(ZeroWrapper):
     """ZeRO-2: replicated parameters; gradients and optimizer state / master are sharded."""
 
     grad_store = StagedGradShard
-
-
-def _live_owner(param: torch.Tensor, attr: str) -> bool:
-    # Every tiny_fsdp strategy marks its parameters with a weak ref in "_tiny_fsdp_*_owner".
-    if not (attr.startswith("_tiny_fsdp_") and attr.endswith("_owner")):
-        return False
-    ref = getattr(param, attr)
-    return callable(ref) and ref() is not None

@@ -42,12 +42,10 @@ from torch import nn
 from tiny_fsdp.core import comm
 from tiny_fsdp.core.module import ParamHandler
 from tiny_fsdp.core.module.handler import Params, TrainingPhase
-from tiny_fsdp.core.optim.base import STRATEGY_OF_PARAM
 from tiny_fsdp.core.precision import MixedPrecisionPolicy
 from tiny_fsdp.core.prefetch import Prefetcher
 
 ATTR = "_tiny_fsdp_zero3"  # name of the TensorInfo attribute put on each managed Parameter
-STRATEGY_OF_PARAM.append(lambda p: "Zero3" if hasattr(p, ATTR) else None)  # plain optimizers
 
 
 @dataclass(frozen=True)

@@ -18,18 +18,17 @@ layers: the broadcasts and reduces of all ranks must pair up). Gradient sync is 
 """
 
 import warnings
-from collections import OrderedDict
 from typing import Any, Dict, List, Mapping, Optional, Tuple
 
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.nn.modules.module import _IncompatibleKeys
 
 from tiny_fsdp.core import comm
 from tiny_fsdp.core.module import CallbackModule
 from tiny_fsdp.core.precision import MixedPrecisionPolicy
-from tiny_fsdp.core.wrapper import DataParallelWrapper, check_no_shared_storage
+from tiny_fsdp.core.local_state import LocalPiece
+from tiny_fsdp.core.wrapper import DataParallelWrapper
 from tiny_fsdp.core.zero3.handler import ATTR, FetchStats, TensorInfo, Zero3Handler, Zero3Runtime
 
 
@@ -56,6 +55,11 @@ class Zero3(DataParallelWrapper):
             mixed precision]).
     """
 
+    collectives = ("broadcast", "reduce")
+    materializes_meta = True
+    separates_storage = True
+    updates_local_part = True
+
     def __init__(
         self,
         module: nn.Module,
@@ -79,7 +83,6 @@ class Zero3(DataParallelWrapper):
         rank, world_size = dist.get_rank(), dist.get_world_size()
         self._runtime = Zero3Runtime(rank, world_size, prefetch_limit, mixed_precision)
         named = list(self.module.named_parameters())  # tied parameters appear once
-        check_no_shared_storage(self.module, "Zero3")
         check_table(param_part_table, named, world_size, "Zero3", _aliases(self.module))
         tables = comm.all_gather_object(sorted(param_part_table.items()))
         differ = [r for r, table in enumerate(tables) if table != tables[0]]
@@ -92,6 +95,7 @@ class Zero3(DataParallelWrapper):
         self.param_part_table = param_part_table
         self.device = _choose_device(param_part_table, named, rank)  # move inputs here
         self._materialize(named, self.device, sync_module_states)
+        self.claim(self.module.parameters())  # meta parameters were replaced by new objects
         for layer in self.module.modules():
             if isinstance(layer, CallbackModule):
                 Zero3Handler(self._runtime).attach(layer)
@@ -167,54 +171,28 @@ class Zero3(DataParallelWrapper):
                     f"buffer '{path}' is on the meta device; Zero3 materialises parameters only"
                 )
 
-    def state_dict(
-        self, destination: Optional[Dict] = None, prefix: str = "", keep_vars: bool = False
-    ) -> Dict[str, torch.Tensor]:
-        """Full tensors under the plain model's keys (tied keys too), on every rank.
+    # ---------------------------------------------------------------- what this rank holds
+    def _info(self, param: torch.Tensor) -> TensorInfo:
+        return getattr(param, ATTR)
 
-        A collective: every rank must call it. Owned entries alias the live parameters, as in
-        ``torch.nn``; the others are fresh copies.
-        """
-        out = OrderedDict() if destination is None else destination
-        gathered: Dict[int, torch.Tensor] = {}
-        for key, value in self.module.state_dict(keep_vars=True).items():
-            if getattr(value, ATTR, None) is None:  # a buffer: every rank has it whole
-                out[prefix + key] = value if keep_vars else value.detach()
-                continue
-            if id(value) not in gathered:
-                gathered[id(value)] = self._runtime.gather_full(value)
-            out[prefix + key] = gathered[id(value)]
-        return out
+    def full_tensor(self, param: torch.Tensor) -> torch.Tensor:
+        """Broadcast from the owner (the owner's entry aliases its live tensor, as torch.nn)."""
+        return self._runtime.gather_full(param)
 
-    @torch.no_grad()
-    def load_state_dict(
-        self, state_dict: Mapping[str, Any], strict: bool = True, assign: bool = False
-    ) -> _IncompatibleKeys:
-        """Load full tensors (plain keys); each rank copies only the tensors it owns."""
-        if assign:
-            raise NotImplementedError("Zero3.load_state_dict copies into owned tensors only")
-        expected = self.module.state_dict(keep_vars=True)
-        missing = [k for k in expected if k not in state_dict]
-        unexpected = [k for k in state_dict if k not in expected]
-        if strict and (missing or unexpected):
-            raise RuntimeError(
-                f"Error(s) in loading state_dict for Zero3: missing keys {missing}, "
-                f"unexpected keys {unexpected} (keys are the plain model's, without 'module.')"
-            )
-        for key, value in expected.items():
-            if key not in state_dict:
-                continue
-            info: Optional[TensorInfo] = getattr(value, ATTR, None)
-            source = state_dict[key]
-            shape = value.shape if info is None else info.shape
-            if tuple(source.shape) != tuple(shape):
-                raise RuntimeError(
-                    f"size mismatch for {key}: checkpoint {tuple(source.shape)}, "
-                    f"model {tuple(shape)}"
-                )
-            if info is None or info.owner == self._runtime.rank:
-                value.copy_(source)
-        return _IncompatibleKeys(missing, unexpected)
+    def full_shape(self, param: torch.Tensor) -> Tuple[int, ...]:
+        return tuple(self._info(param).shape)
+
+    def load_full_(self, param: torch.Tensor, full: torch.Tensor) -> None:
+        if self._info(param).owner == self._runtime.rank:
+            param.detach().copy_(full)
+
+    def local_piece(self, param: torch.Tensor) -> Optional[LocalPiece]:
+        return (
+            LocalPiece(0, param.detach()) if self._info(param).owner == self._runtime.rank else None
+        )
+
+    def saved_piece(self, param: torch.Tensor) -> Optional[LocalPiece]:
+        return self.local_piece(param)
 
 
 def _aliases(module: nn.Module) -> Dict[str, str]:

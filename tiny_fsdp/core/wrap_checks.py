@@ -1,0 +1,53 @@
+"""Checks every strategy runs on a model at wrap time ([Note: wrap-time checks] in wrapper.py)."""
+
+from torch import nn
+
+from tiny_fsdp.core.ownership import owner_of
+
+
+def check_not_wrapped(module: nn.Module, what: str) -> None:
+    """Raise if a parameter of ``module`` already belongs to a live wrapper: wrap a model once."""
+    for name, param in module.named_parameters():
+        owner = owner_of(param)
+        if owner is not None:
+            raise ValueError(
+                f"{what}: parameter '{name}' already belongs to a {type(owner).__name__} "
+                "wrapper; wrap a model once (build a new model for another strategy)"
+            )
+
+
+def check_same_model_on_all_ranks(module: nn.Module, what: str) -> None:
+    """Raise on every rank if the ranks' parameters / buffers differ in name, shape or dtype.
+
+    Mismatched models would otherwise pair unrelated tensors in the collectives.
+    """
+    from tiny_fsdp.core import comm
+
+    signature = [
+        (name, tuple(t.shape), str(t.dtype), bool(t.requires_grad))
+        for name, t in [*module.named_parameters(), *module.named_buffers()]
+    ]
+    signatures = comm.all_gather_object(signature)
+    for rank, other in enumerate(signatures):
+        if other != signatures[0]:
+            diff = sorted(set(other) ^ set(signatures[0]))[:4]
+            raise ValueError(
+                f"{what}: rank {rank}'s model differs from rank 0's (name, shape, dtype, "
+                f"requires_grad); e.g. {diff}. Build the same model on every rank."
+            )
+
+
+def check_no_shared_storage(module: nn.Module, what: str) -> None:
+    """Raise if two distinct parameters share storage: sharding each on its own unties them."""
+    seen = {}
+    for name, param in module.named_parameters():  # a tied Parameter (one object) comes once
+        if param.device.type == "meta" or param.numel() == 0:
+            continue
+        key = (param.device, param.untyped_storage().data_ptr())
+        if key in seen:
+            raise ValueError(
+                f"{what}: parameters '{seen[key]}' and '{name}' share storage but are distinct "
+                f"Parameter objects, which {what} would shard separately (untying them). Tie "
+                "them by assigning one Parameter to both modules (e.g. b.weight = a.weight)."
+            )
+        seen[key] = name
