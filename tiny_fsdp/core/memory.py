@@ -156,7 +156,8 @@ def _extra_tensors(owner: object) -> ExtraTensors:
 
 
 def _ddp_extra(ddp: nn.Module) -> ExtraTensors:
-    # Flat all-reduce buckets (gradients / N and one flag per parameter), kept between steps.
+    # Flat all-reduce buckets (gradients and one flag per parameter), kept between steps. With
+    # fp32 buckets the gradients are views of them: already counted as grads, flags included.
     return {"buffers": [bucket.buffer for bucket in ddp.buckets]}
 
 
