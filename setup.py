@@ -13,6 +13,14 @@ setup(
     # uses numpy). Tests, lint and plots are in the dev extras.
     install_requires=["torch>=2.4", "numpy", "tqdm"],
     extras_require={
-        "dev": ["pytest", "pytest-timeout", "hypothesis", "black", "flake8", "matplotlib"],
+        "dev": [
+            "pytest",
+            "pytest-timeout",
+            "hypothesis",
+            "black",
+            "flake8",
+            "matplotlib",
+            "transformers",  # tests/test_any_model.py, tests/test_hf_weights.py (skipped without)
+        ],
     },
 )

@@ -78,7 +78,7 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     p.add_argument("--device", default=None, help="cuda if present, else cpu")
     p.add_argument("--out", default="out/benchmark")
     args = p.parse_args(argv)
-    args.async_comm = not args.sync_comm
+    args.async_comm = "off" if args.sync_comm else "on"  # every strategy, ours: explicit
     args.strategies = [s for s in args.strategies.split(",") if s]
     if args.warmup < 1 or args.steps < 1:
         p.error("--warmup and --steps must be >= 1 (the first step creates optimizer state)")

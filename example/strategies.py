@@ -47,6 +47,13 @@ def _precision(args: argparse.Namespace) -> dict:
     return {} if policy is None else {"mixed_precision": policy}
 
 
+def _comm(args: argparse.Namespace) -> dict:
+    """``{"enable_async_communication": bool}`` for ``--async_comm on|off``; ``{}`` (the
+    wrapper's default) when the flag is not given."""
+    choice = getattr(args, "async_comm", None)
+    return {} if choice is None else {"enable_async_communication": choice == "on"}
+
+
 def _single_device(make_model, args, env):
     from tiny_fsdp.core.optim import SGD, AdamW
 
@@ -62,7 +69,7 @@ def _ddp(make_model, args, env):
 
     plain = make_model().to(env.device)
     decay = decayed_names(plain)
-    model = DDP(plain, enable_async_communication=args.async_comm, **_precision(args))
+    model = DDP(plain, **_comm(args), **_precision(args))
     return model, _optimizer(DDPAdamW, DDPSGD, model.named_parameters(), decay, args)
 
 
@@ -72,9 +79,7 @@ def _zero(stage: int):
 
         plain = make_model().to(env.device)
         decay = decayed_names(plain)
-        model = getattr(zero, f"Zero{stage}")(
-            plain, enable_async_communication=args.async_comm, **_precision(args)
-        )
+        model = getattr(zero, f"Zero{stage}")(plain, **_comm(args), **_precision(args))
         adamw, sgd = getattr(zero, f"Zero{stage}AdamW"), getattr(zero, f"Zero{stage}SGD")
         return model, _optimizer(adamw, sgd, model.named_parameters(), decay, args)
 
@@ -96,7 +101,7 @@ def _zero3(make_model, args, env):
     parts, _ = zero3_partition_tensors(
         dict(meta.named_parameters()), ranks_map, evenness_priority=args.evenness_priority
     )
-    model = Zero3(meta, parts, enable_async_communication=args.async_comm, **_precision(args))
+    model = Zero3(meta, parts, **_comm(args), **_precision(args))
     named = model.module.named_parameters()
     return model, _optimizer(Zero3AdamW, Zero3SGD, named, decay, args, param_part_table=parts)
 
@@ -110,9 +115,9 @@ def _fsdp(make_model, args, env):
     # measured faster than per layer on 2 CPU ranks (fewer, larger collectives; README).
     model = FSDP(
         meta,
-        enable_async_communication=args.async_comm,
         device=env.device,
         unit=list(meta.transformer.h),
+        **_comm(args),
         **_precision(args),
     )
     return model, _optimizer(FSDPAdamW, FSDPSGD, model.named_parameters(), decay, args)

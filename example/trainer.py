@@ -75,7 +75,13 @@ def build_arg_parser(strategy: str) -> argparse.ArgumentParser:
     p.add_argument("--grad_accum", type=int, default=1, help="micro-steps per optimizer step")
     p.add_argument("--grad_clip", type=float, default=0.0, help="clip global grad norm (0: off)")
     p.add_argument("--grad_ckpt", action="store_true", help="recompute blocks in backward")
-    p.add_argument("--async_comm", action="store_true", help="enable_async_communication")
+    p.add_argument(
+        "--async_comm",
+        default=None,
+        choices=["on", "off"],
+        help="enable_async_communication (overlap communication with computation); default: "
+        "the strategy's own default (on for DDP / ZeRO-1 / ZeRO-2)",
+    )
     p.add_argument(
         "--precision",
         default="fp32",

@@ -405,6 +405,38 @@ def test_async_communication_overlaps_and_is_bitwise_identical_to_sync(world_siz
     run_distributed(_async_worker, world_size)
 
 
+def _bucket_view_worker(rank: int, world_size: int) -> None:
+    from tiny_fsdp.core.precision import MixedPrecisionPolicy
+
+    x, y = _global_xy(0, 2 * world_size)
+    xs, ys = local_slice(x, rank, world_size), local_slice(y, rank, world_size)
+    for set_to_none in (True, False):
+        model = DDP(make_model(), TINY_BUCKET_MB)
+        optimizer = DDPAdamW(model.named_parameters(), lr=1e-3)
+        addresses = []
+        for _ in range(2):
+            lm_loss(model(xs), ys).backward()
+            slots = [(b, s) for b in model.buckets for s in range(len(b.params))]
+            # param.grad IS its bucket slot: the in-place all-reduce left the average there.
+            assert all(b.is_slot(s, b.params[s].grad) for b, s in slots), set_to_none
+            addresses.append([b.params[s].grad.data_ptr() for b, s in slots])
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=set_to_none)
+        assert addresses[0] == addresses[1]
+    # bf16 buckets cannot be fp32 gradients: the average is copied back into an fp32 .grad.
+    model = DDP(make_model(), TINY_BUCKET_MB, mixed_precision=MixedPrecisionPolicy(torch.bfloat16))
+    lm_loss(model(xs).float(), ys).backward()
+    for bucket in model.buckets:
+        assert bucket.buffer.dtype == torch.bfloat16
+        assert all(p.grad.dtype == p.dtype == torch.float32 for p in bucket.params)
+
+
+def test_gradients_are_views_of_the_buckets() -> None:
+    """No copy in or out: the slot is ``.grad`` from the first backward on, whatever
+    ``zero_grad`` does; under a bf16 policy the fp32 gradient is separate."""
+    run_distributed(_bucket_view_worker, 2)
+
+
 # ----------------------------------------------------------------------------- wrapping, API
 
 

@@ -202,9 +202,11 @@ def expected_memory(variant: str, n: int, rank: int, n_state: int) -> MemoryRepo
     shapes = _unique_shapes()
     psi, tensors = sum(s.numel() for s in shapes), len(shapes)
     counters = FP32 * n_state
-    if name == "ddp":  # replicated, plus the all-reduce buckets (gradients + flags)
+    if name == "ddp":  # replicated; the gradients are views of the all-reduce buckets
+        # ([Note: gradient bucket layout]), so the buckets (gradients + one flag per tensor)
+        # count as gradients and no separate buffer remains.
         full = FP32 * psi
-        return MemoryReport(full, full, 2 * full + counters, FP32 * (psi + tensors))
+        return MemoryReport(full, FP32 * (psi + tensors), 2 * full + counters, 0)
     if name in ("zero1", "zero2"):
         buckets = _zero_buckets(option == "buckets")
         flat = FP32 * sum(_padded(b, n) for b in buckets)  # whole flat buffer, padding included

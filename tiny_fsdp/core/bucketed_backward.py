@@ -27,11 +27,15 @@ holds the wrapper weakly, so a discarded wrapper does not live on through its pa
    launched now: asynchronously with ``enable_async_communication`` (the reductions overlap the
    rest of backward; those already done are finished at each hook), else synchronously. Launching
    strictly in bucket order makes the collectives of all ranks pair up whatever order their
-   gradients arrive in.
-4. ``_end_of_backward`` adds the parameters whose hook never fired (unused in this forward: the
-   store sends the ``param.grad`` kept from ``no_sync`` micro-steps, else zeros), so every rank
-   issues the same collectives; launches the buckets not launched yet, in order; finishes every
-   bucket; then calls ``store.end``.
+   gradients arrive in. A store whose reductions hold memory until finished (ZeRO-2's staging
+   buffers) sets ``max_in_flight``: launching one more first waits for the oldest, so at most
+   that many buckets' buffers are in flight besides the one being filled.
+4. ``_end_of_backward`` runs at the end of every backward. In a synchronised one it adds the
+   parameters whose hook never fired (unused in this forward: the store sends the ``param.grad``
+   kept from ``no_sync`` micro-steps, else zeros), so every rank issues the same collectives;
+   launches the buckets not launched yet, in order; finishes every bucket. Then it calls
+   ``store.end(sync)`` (DDP's mixed precision gives the parameters back their fp32 masters
+   there, [Note: DDP mixed precision]).
 
 Results are bitwise identical with asynchronous communication on and off: same buckets, same
 data, same collectives in the same order; only when they run changes. If a backward raises before
@@ -45,7 +49,7 @@ parameters is fixed at wrap time; reentrant backward (``torch.utils.checkpoint``
 """
 
 import weakref
-from typing import Any, Callable, List, Protocol, Sequence
+from typing import Any, Callable, List, Optional, Protocol, Sequence
 
 import torch
 from torch import nn
@@ -59,11 +63,13 @@ class GradStore(Protocol):
         bucket_members: the parameter indices of each bucket, in launch order.
         reduces_eagerly: reduce a complete bucket during backward even without asynchronous
             communication (synchronously then).
+        max_in_flight: at most this many asynchronous reductions unfinished (None: no limit).
     """
 
     params: Sequence[nn.Parameter]
     bucket_members: Sequence[Sequence[int]]
     reduces_eagerly: bool
+    max_in_flight: Optional[int]
 
     def begin(self, sync: bool) -> None:
         """The first hook of a backward fired (``sync``: it is a synchronised one)."""
@@ -83,8 +89,9 @@ class GradStore(Protocol):
     def finish(self, bucket: int) -> None:
         """Wait for the reduction of ``bucket`` and put its result in place."""
 
-    def end(self) -> None:
-        """Every bucket of a synchronised backward is finished."""
+    def end(self, sync: bool) -> None:
+        """The backward is over (every backward, ``no_sync`` ones included); with ``sync`` every
+        bucket is finished."""
 
     def reset(self) -> None:
         """Forget the progress of the current backward (also after a failed one)."""
@@ -166,6 +173,9 @@ class BucketedBackward:
             self.store.launch(b, async_op=self._async)
             if self._async:
                 self._in_flight.append(b)
+                limit = self.store.max_in_flight
+                if limit is not None and len(self._in_flight) > limit:
+                    self.store.finish(self._in_flight.pop(0))  # bounds the buffers in flight
             else:
                 self.store.finish(b)
             self._next_launch += 1
@@ -182,16 +192,15 @@ class BucketedBackward:
 
     def _end_of_backward(self) -> None:
         try:
-            if not self._sync:
-                return
             with torch.no_grad():
-                for index, p in enumerate(self.store.params):
-                    if not self._fired[index]:  # unused in this forward: zeros or kept grads
-                        self._add(index, p)
-                self._launch_complete_buckets()  # all complete now
-                for b in self._in_flight:
-                    self.store.finish(b)
-            self.store.end()
+                if self._sync:
+                    for index, p in enumerate(self.store.params):
+                        if not self._fired[index]:  # unused in this forward: zeros or kept grads
+                            self._add(index, p)
+                    self._launch_complete_buckets()  # all complete now
+                    for b in self._in_flight:
+                        self.store.finish(b)
+                self.store.end(self._sync)
         finally:
             self._reset()
 

@@ -13,6 +13,8 @@ A ``MixedPrecisionPolicy(param_dtype, reduce_dtype)`` given to a strategy wrappe
   (autograd casts a gradient to its leaf's dtype), so tied weights and ``no_sync`` accumulation
   add in fp32.
 
+DDP runs the user's modules without layer wrappers, so it casts by giving each parameter a
+``param_dtype`` copy as its data for a step instead ([Note: DDP mixed precision]); the rest holds.
 Where the cast happens decides what travels: FSDP casts its shard before the all-gather and
 ZeRO-3's owner broadcasts a cast copy, so parameter bytes on the wire halve with bf16; DDP and
 ZeRO-3 reduce gradients of ``reduce_dtype``. ZeRO-1/2 already keep parameters in low precision

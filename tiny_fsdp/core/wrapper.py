@@ -1,7 +1,8 @@
 """What every strategy's model wrapper has in common.
 
-A wrapper holds the user's model as ``self.module`` (converted in place to tiny_fsdp layers),
-forwards calls to it, and exposes the switches users know from PyTorch DDP / FSDP:
+A wrapper holds the user's model as ``self.module`` (converted in place to tiny_fsdp layers if
+the strategy's class declares ``converts_layers``; DDP and ZeRO-1/2 take it as it is), forwards
+calls to it, and exposes the switches users know from PyTorch DDP / FSDP:
 
 - ``require_backward_grad_sync`` (bool, default True) and the ``no_sync()`` context: while
   False, backward accumulates gradients locally and communicates nothing; the next synchronised
@@ -10,7 +11,8 @@ forwards calls to it, and exposes the switches users know from PyTorch DDP / FSD
   asynchronous reductions). Results are identical on and off.
 - ``gradient_checkpointing`` (bool): recompute each block in backward (forwarded to the model).
 - ``mixed_precision`` (``MixedPrecisionPolicy`` or None): layers compute in the policy's dtype,
-  parameters stay fp32 masters ([Note: mixed precision]); floating inputs are cast on entry.
+  parameters stay fp32 masters ([Note: mixed precision], [Note: DDP mixed precision]); floating
+  inputs are cast on entry.
   ``half()`` / ``bfloat16()`` / ``double()`` / ``to(dtype)`` raise and point to the policy
   (``float()`` too, unless it would change nothing).
 
@@ -68,6 +70,10 @@ class DataParallelWrapper(nn.Module):
     tensor whole).
     """
 
+    #: The strategy fetches parameters through tiny_fsdp layers, so the model is converted in
+    #: place (``convert_module``) at wrap time. Strategies that never fetch a parameter
+    #: (``ReplicatedWrapper``) train the modules as they are ([Note: replicated strategies]).
+    converts_layers: bool = True
     #: Collectives the strategy issues on parameters (checked against backend and devices).
     collectives: Tuple[str, ...] = ("broadcast", "all_reduce")
     #: The strategy initialises a model built on ``meta`` itself.
@@ -89,7 +95,7 @@ class DataParallelWrapper(nn.Module):
             raise TypeError(
                 f"mixed_precision must be a MixedPrecisionPolicy or None, got {mixed_precision!r}"
             )
-        self.module = convert_module(module)
+        self.module = convert_module(module) if self.converts_layers else module
         self._check_and_claim()
         check_master_dtypes(self.module, mixed_precision)
         self.mixed_precision = mixed_precision

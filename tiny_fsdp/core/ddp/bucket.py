@@ -2,22 +2,33 @@
 
 [Note: gradient bucket layout]
 A bucket owns one flat buffer of its parameters' dtype (or the mixed-precision policy's
-``reduce_dtype``: gradients are then rounded to it on the way in and back), on their device::
+``reduce_dtype``), on their device::
 
     buffer = [ grad(p0) | grad(p1) | ... | grad(pk-1) | flag(p0) ... flag(pk-1) ]
                numel(p0)  numel(p1)        numel(pk-1)  k elements
 
-Gradient ``i`` is copied in already divided by the world size, so the SUM all-reduce of the
-buffer leaves the AVERAGE (pre-dividing works on every backend, unlike ReduceOp.AVG). Flag ``i``
-is 1 on a rank that had a gradient for parameter ``i`` and 0 on a rank that had none (parameter
-unused in its forward); after the all-reduce a zero flag means no rank had a gradient, and the
-parameter's ``.grad`` is left None, as single-device training would leave it. Riding in the same
-buffer, the flags cost ``k`` elements and no extra collective.
+Gradient ``i`` enters already divided by the world size, so the SUM all-reduce of the buffer,
+in place, leaves the AVERAGE (pre-dividing works on every backend, unlike ReduceOp.AVG). Flag
+``i`` is 1 on a rank that had a gradient for parameter ``i`` and 0 on a rank that had none
+(parameter unused in its forward); after the all-reduce a zero flag means no rank had a gradient,
+and the parameter's ``.grad`` is left None, as single-device training would leave it. Riding in
+the same buffer, the flags cost ``k`` elements and no extra collective.
+
+Gradients as bucket views (torch's ``gradient_as_bucket_view``): when the buffer has the
+parameters' dtype, slot ``i`` IS ``p_i.grad`` from the first backward on. Autograd accumulates
+into an existing ``.grad`` in place, so a backward after ``zero_grad(set_to_none=False)``, or a
+micro-step after the first one, writes straight into the bucket and the hook only divides the
+slot in place; the all-reduce then leaves the average in ``.grad`` itself: nothing is copied in or
+out. After ``zero_grad(set_to_none=True)`` autograd hands a fresh gradient, copied (and divided)
+into the slot once, in the same pass, and the slot becomes ``.grad`` again. Inside ``no_sync``
+the fresh gradient of the first micro-step moves into the slot too, so accumulation happens in
+place. A bucket of another dtype (mixed precision's ``reduce_dtype``) cannot be ``.grad``: the
+gradient is rounded into it and the average copied back ([Note: DDP mixed precision]).
 
 The backward engine ([Note: bucketed backward]) adds every slot (``add_grad``) before it calls
-``launch``, which starts the all-reduce (asynchronously if asked); ``finish`` waits for it, writes
-the averages back into ``param.grad`` and resets the bucket for the next backward.
-``AllReduceBuckets`` is DDP's gradient store: its buckets, behind the engine's verbs.
+``launch``, which starts the all-reduce (asynchronously if asked); ``finish`` waits for it, says
+which slots hold a gradient and resets the bucket for the next backward. ``AllReduceBuckets`` is
+DDP's gradient store: its buckets, behind the engine's verbs, and who ``.grad`` is.
 """
 
 from typing import List, Optional, Sequence, Tuple
@@ -27,6 +38,7 @@ import torch.distributed as dist
 from torch import nn
 
 from tiny_fsdp.core import comm
+from tiny_fsdp.core.ddp.mixed_precision import ParamCast
 
 
 class GradBucket:
@@ -63,20 +75,34 @@ class GradBucket:
         self._work: Optional[dist.Work] = None
         self.launched = False
 
+    def is_slot(self, slot: int, grad: Optional[torch.Tensor]) -> bool:
+        """``grad`` is slot ``slot`` itself (a gradient already living in the bucket)."""
+        view = self.views[slot]
+        return (
+            grad is not None
+            and grad.data_ptr() == view.data_ptr()
+            and grad.dtype == view.dtype
+            and grad.shape == view.shape
+        )
+
     def add_grad(self, slot: int, grad: Optional[torch.Tensor]) -> None:
-        """Copy ``grad`` (shape of ``params[slot]``) into its slot, divided by the world size.
+        """Put ``grad / world_size`` (shape of ``params[slot]``) in its slot: in place when
+        ``grad`` is the slot, else copied (and cast) in the same pass.
 
         ``grad`` None (the parameter had no gradient on this rank): zeros, and a zero flag.
         """
+        view = self.views[slot]
         if grad is None:
-            self.views[slot].zero_()
+            view.zero_()
             return
-        # One pass that copies and scales (rather than copy now, divide the buffer later).
-        torch.div(grad, self.world_size, out=self.views[slot])
+        if not self.is_slot(slot, grad):
+            torch.div(grad, self.world_size, out=view)
+        elif self.world_size > 1:
+            view.div_(self.world_size)
         self._has_grad[slot] = True
 
     def launch(self, async_op: bool) -> None:
-        """Start the SUM all-reduce of the buffer (every slot added)."""
+        """Start the SUM all-reduce of the buffer, in place (every slot added)."""
         assert not self.launched, "launch a bucket once per backward"
         if all(self._has_grad):
             self.flags.fill_(1)  # one kernel: the common case
@@ -89,23 +115,19 @@ class GradBucket:
         """The launched all-reduce has completed (never blocks)."""
         return self._work is None or self._work.is_completed()
 
-    def finish(self) -> None:
-        """Wait for the all-reduce, write the averages into ``param.grad``, reset the bucket."""
+    def finish(self) -> List[bool]:
+        """Wait for the all-reduce and reset the bucket. Returns, per slot, whether it holds a
+        gradient: the average, if some rank had one (else its zeros are no gradient)."""
         assert self.launched, "finish a bucket only after launching it"
         if self._work is not None:
             self._work.wait()
-        global_flags: Optional[List[float]] = None
-        for slot, p in enumerate(self.params):
-            if p.grad is not None:
-                p.grad.copy_(self.views[slot])
-                continue
+        have = list(self._has_grad)
+        if not all(have):
             # No local gradient: some other rank may have had one. Reading the flags syncs a
             # GPU with the host, so do it only on this rare path.
-            if global_flags is None:
-                global_flags = self.flags.tolist()
-            if global_flags[slot] > 0:
-                p.grad = self.views[slot].to(p.dtype, copy=True)
+            have = [mine or flag > 0 for mine, flag in zip(have, self.flags.tolist())]
         self.reset()
+        return have
 
     def reset(self) -> None:
         """Forget this backward's progress (also used to drop the state of a failed backward)."""
@@ -114,12 +136,25 @@ class GradBucket:
         self.launched = False
 
 
+def _assign_grad(param: nn.Parameter, grad: Optional[torch.Tensor]) -> None:
+    param.grad = grad
+
+
 class AllReduceBuckets:
     """DDP's gradient store ([Note: bucketed backward]): ``buckets`` of the trainable ``params``
-    (``build_buckets``), each all-reduced as one flat buffer, the averages copied back into
-    ``param.grad``. Parameter ``index`` is its position in bucket order."""
+    (``build_buckets``), each all-reduced in place as one flat buffer. Parameter ``index`` is
+    its position in bucket order.
+
+    A bucket of the parameters' own dtype holds their gradients: ``param.grad`` is its slot
+    ([Note: gradient bucket layout]). A bucket of another ``dtype`` (mixed precision's
+    ``reduce_dtype``) is filled from ``param.grad`` and its averages are copied back.
+    ``cast``: DDP's ``ParamCast`` under mixed precision; gradients are then assigned through it
+    and the parameters get their masters back at the end of every backward ([Note: DDP mixed
+    precision]).
+    """
 
     reduces_eagerly = False  # without asynchronous communication, reduce at the end of backward
+    max_in_flight = None  # the buckets are kept between steps: in flight costs no memory
 
     def __init__(
         self,
@@ -127,6 +162,7 @@ class AllReduceBuckets:
         bucket_cap_bytes: int,
         world_size: int,
         dtype: Optional[torch.dtype] = None,
+        cast: Optional[ParamCast] = None,
     ) -> None:
         self.buckets = build_buckets(params, bucket_cap_bytes, world_size, dtype)
         self.params: List[nn.Parameter] = [p for bucket in self.buckets for p in bucket.params]
@@ -136,16 +172,40 @@ class AllReduceBuckets:
             first = len(self._where)
             self.bucket_members.append(list(range(first, first + len(bucket.params))))
             self._where += [(b, slot) for slot in range(len(bucket.params))]
+        self._master_dtype = [p.dtype for p in self.params]  # fp32 also while a ParamCast acts
+        self._cast = cast
+        self._set_grad = _assign_grad if cast is None else cast.set_grad
+
+    def _slot(self, index: int) -> Tuple[GradBucket, int, bool]:
+        """(bucket, slot, the slot is the gradient) of parameter ``index``."""
+        b, slot = self._where[index]
+        bucket = self.buckets[b]
+        return bucket, slot, bucket.buffer.dtype == self._master_dtype[index]
 
     def begin(self, sync: bool) -> None:
         pass  # param.grad holds the average afterwards: a further backward may add onto it
 
     def keep_local(self, index: int, param: nn.Parameter) -> None:
-        pass  # autograd accumulates into param.grad
+        """Accumulate at the master's precision: in the slot when it can be the gradient."""
+        bucket, slot, slot_is_grad = self._slot(index)
+        grad = param.grad
+        if slot_is_grad:
+            if not bucket.is_slot(slot, grad):
+                bucket.views[slot].copy_(grad)  # autograd adds later micro-steps in place
+                self._set_grad(param, bucket.views[slot])
+        elif grad.dtype != self._master_dtype[index]:
+            self._set_grad(param, grad.to(self._master_dtype[index]))
 
     def add(self, index: int, param: nn.Parameter) -> None:
-        b, slot = self._where[index]
-        self.buckets[b].add_grad(slot, param.grad)
+        bucket, slot, slot_is_grad = self._slot(index)
+        grad = param.grad
+        bucket.add_grad(slot, grad)
+        if grad is None or bucket.is_slot(slot, grad):
+            return
+        if slot_is_grad:
+            self._set_grad(param, bucket.views[slot])  # from now on the slot is the gradient
+        elif grad.dtype != self._master_dtype[index]:
+            self._set_grad(param, None)  # a low-precision copy: the average comes at finish
 
     def launch(self, bucket: int, async_op: bool) -> None:
         self.buckets[bucket].launch(async_op)
@@ -154,14 +214,30 @@ class AllReduceBuckets:
         return self.buckets[bucket].is_done()
 
     def finish(self, bucket: int) -> None:
-        self.buckets[bucket].finish()
+        """Make every slot that holds an average the parameter's gradient (or copy it there)."""
+        have = self.buckets[bucket].finish()
+        for index in self.bucket_members[bucket]:
+            bucket_, slot, slot_is_grad = self._slot(index)
+            if not have[slot]:
+                continue  # no rank had a gradient: .grad stays None, as on one device
+            param, view = self.params[index], bucket_.views[slot]
+            if slot_is_grad:
+                if not bucket_.is_slot(slot, param.grad):
+                    self._set_grad(param, view)
+            elif param.grad is not None:
+                param.grad.copy_(view)  # an fp32 gradient kept from earlier micro-steps
+            else:
+                self._set_grad(param, view.to(self._master_dtype[index]))
 
-    def end(self) -> None:
-        pass
+    def end(self, sync: bool) -> None:
+        if self._cast is not None:
+            self._cast.to_master()
 
     def reset(self) -> None:
         for bucket in self.buckets:
             bucket.reset()
+        if self._cast is not None:  # a failed backward: drop its gradients, keep the masters
+            self._cast.to_master(attach_grads=False)
 
 
 def build_buckets(

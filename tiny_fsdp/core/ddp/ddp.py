@@ -3,10 +3,10 @@
 [Note: DDP backward]
 DDP's backward is the shared engine ([Note: bucketed backward]) with ``AllReduceBuckets`` as its
 gradient store. At wrap time the trainable parameters (``requires_grad``; a tied parameter counts
-once) are grouped into flat buckets in reverse order ([Note: gradient bucket layout]). A hook
-copies ``param.grad / world_size`` into the parameter's bucket slot; a bucket's reduction is one
-all-reduce, and finishing it copies the averages back into ``param.grad``. Without
-``enable_async_communication`` every bucket is reduced at the end of backward.
+once) are grouped into flat buckets in reverse order ([Note: gradient bucket layout]); each
+parameter's ``.grad`` lives in its bucket slot. A hook divides the gradient by the world size in
+its slot; a bucket's reduction is one in-place all-reduce that leaves the averages in ``.grad``.
+Without ``enable_async_communication`` every bucket is reduced at the end of backward.
 
 Parameters unused in a forward: the end of backward still sends their slot, so every rank issues
 the same collectives. A rank without a gradient sends zeros, so ``param.grad`` becomes the sum of
@@ -14,12 +14,14 @@ the other ranks' gradients divided by the world size, exactly the single-device 
 global batch. If NO rank had a gradient, ``param.grad`` stays None (optimizers skip it, as on one
 device).
 
-Gradient accumulation: inside ``no_sync()`` autograd keeps accumulating into ``param.grad`` and
-the next synchronised backward sends the accumulated total. As with ``torch``'s DDP, a backward
-after a synchronised one (no ``zero_grad`` between) adds onto the averaged ``param.grad``.
+Gradient accumulation: inside ``no_sync()`` autograd keeps accumulating into ``param.grad`` (the
+bucket slot) and the next synchronised backward sends the accumulated total. As with ``torch``'s
+DDP, a backward after a synchronised one (no ``zero_grad`` between) adds onto the averaged
+``param.grad``. The model's modules are used as they are ([Note: replicated strategies]); mixed
+precision: [Note: DDP mixed precision].
 """
 
-from typing import Dict, List, Optional, Sequence
+from typing import Any, Dict, List, Mapping, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -28,10 +30,10 @@ from torch import nn
 from tiny_fsdp.core import comm
 from tiny_fsdp.core.bucketed_backward import BucketedBackward
 from tiny_fsdp.core.ddp.bucket import AllReduceBuckets, GradBucket
-from tiny_fsdp.core.module import CallbackModule
-from tiny_fsdp.core.precision import MixedPrecisionHandler, MixedPrecisionPolicy
+from tiny_fsdp.core.ddp.mixed_precision import ParamCast
 from tiny_fsdp.core.ownership import owner_of
-from tiny_fsdp.core.wrapper import DataParallelWrapper
+from tiny_fsdp.core.precision import MixedPrecisionPolicy
+from tiny_fsdp.core.replicated import ReplicatedWrapper, broadcast_module_buffers
 
 
 def is_ddp_param(tensor: torch.Tensor) -> bool:
@@ -39,20 +41,21 @@ def is_ddp_param(tensor: torch.Tensor) -> bool:
     return isinstance(owner_of(tensor), DDP)
 
 
-class DDP(DataParallelWrapper):
+class DDP(ReplicatedWrapper):
     """Distributed data parallel: replicate ``module``, average gradients over ranks.
 
     Args:
-        module: the model; converted in place to tiny_fsdp layers (``LOCAL_HANDLER``: every
-            layer computes with its full local parameters). Rank 0's parameters and buffers are
-            broadcast to every rank at construction.
+        module: any ``nn.Module``, used as it is ([Note: replicated strategies]). Rank 0's
+            parameters and buffers are broadcast to every rank at construction.
         bucket_cap_mb: maximum gradient bytes (MiB) per all-reduce bucket.
         enable_async_communication: overlap bucket all-reduces with backward ([Note: bucketed
-            backward]); False reduces the same buckets at the end of backward.
-        mixed_precision: layers compute with ``param_dtype`` copies of the fp32 parameters
-            (``MixedPrecisionHandler``) and the buckets are of ``reduce_dtype``, so the
-            all-reduced bytes halve with bf16; ``param.grad`` stays fp32 ([Note: mixed
-            precision]).
+            backward]); False reduces the same buckets at the end of backward (bitwise the
+            same result).
+        mixed_precision: the model computes with ``param_dtype`` copies of the fp32 parameters
+            and the buckets are of ``reduce_dtype``, so the all-reduced bytes halve with bf16;
+            ``param.grad`` stays fp32 ([Note: DDP mixed precision]).
+        broadcast_buffers: rank 0's buffers before each forward, as torch's DDP ([Note:
+            replicated strategies]).
 
     ``state_dict()`` / ``load_state_dict()`` use the plain model's keys (no ``module.`` prefix).
     """
@@ -61,10 +64,11 @@ class DDP(DataParallelWrapper):
         self,
         module: nn.Module,
         bucket_cap_mb: float = 25.0,
-        enable_async_communication: bool = False,
+        enable_async_communication: bool = True,
         mixed_precision: Optional[MixedPrecisionPolicy] = None,
+        broadcast_buffers: bool = True,
     ) -> None:
-        super().__init__(module, enable_async_communication, mixed_precision)
+        super().__init__(module, enable_async_communication, mixed_precision, broadcast_buffers)
         if not bucket_cap_mb > 0:
             raise ValueError(f"bucket_cap_mb must be positive, got {bucket_cap_mb}")
         params = list(self.module.parameters())  # deduplicated: a tied parameter appears once
@@ -73,25 +77,51 @@ class DDP(DataParallelWrapper):
         self.bucket_cap_mb = bucket_cap_mb
         self.world_size = dist.get_world_size()
         trainable = [p for p in params if p.requires_grad]  # frozen parameters take no part
+        self._trainable = bool(trainable)
         reduce_dtype = None if mixed_precision is None else mixed_precision.reduce_dtype
+        self._cast: Optional[ParamCast] = None
+        if mixed_precision is not None:
+            self._cast = ParamCast(params, mixed_precision.param_dtype)
         store = AllReduceBuckets(
-            trainable, int(bucket_cap_mb * 2**20), self.world_size, reduce_dtype
+            trainable, int(bucket_cap_mb * 2**20), self.world_size, reduce_dtype, self._cast
         )
         self.buckets: List[GradBucket] = store.buckets
-        if mixed_precision is not None:
-            handler = MixedPrecisionHandler(mixed_precision)
-            for layer in self.module.modules():
-                if isinstance(layer, CallbackModule):
-                    layer.param_handler = handler
         self._backward = BucketedBackward(self, store)
 
     def extra_state_tensors(self) -> Dict[str, Sequence[torch.Tensor]]:
         # Flat all-reduce buckets (gradients / N and one flag per parameter), kept between steps.
+        # With fp32 buckets the gradients are views of them: the ledger counts them as grads.
         return {"buffers": [bucket.buffer for bucket in self.buckets]}
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        if self._cast is None:
+            return super().forward(*args, **kwargs)
+        self._cast.to_compute()  # until the end of backward ([Note: DDP mixed precision])
+        try:
+            output = super().forward(*args, **kwargs)
+        except BaseException:
+            self._cast.to_master(attach_grads=False)
+            raise
+        if not (torch.is_grad_enabled() and self._trainable):
+            self._cast.to_master()  # no backward follows
+        return output
+
+    def state_dict(self, *args: Any, **kwargs: Any) -> Any:
+        if self._cast is not None:
+            self._cast.to_master()  # the fp32 masters, also after a forward without backward
+        return super().state_dict(*args, **kwargs)
+
+    def load_state_dict(
+        self, state_dict: Mapping[str, Any], strict: bool = True, assign: bool = False
+    ) -> Any:
+        if self._cast is not None:
+            self._cast.to_master()  # load into the masters, not into the compute copies
+        return super().load_state_dict(state_dict, strict, assign)
 
 
 @torch.no_grad()
 def _broadcast_from_rank0(module: nn.Module) -> None:
     """Make every rank start from rank 0's parameters and buffers."""
-    for tensor in [*module.parameters(), *module.buffers()]:
-        comm.broadcast(tensor.detach(), src=0)
+    for param in module.parameters():
+        comm.broadcast(param.detach(), src=0)
+    broadcast_module_buffers(module)

@@ -14,7 +14,9 @@ flat layout ([Note: ZeRO flat layout]) and differ only in the store they plug in
   copies ``param.grad / N`` into its bucket's staging buffer and sets ``param.grad = None``; a
   complete bucket is reduced at once (``reduces_eagerly``), its chunk lands in the shard and its
   staging buffer is dropped as soon as the collective is done, so full-size gradients live bucket
-  by bucket, never all at once. Inside ``no_sync()`` the full local ``param.grad`` is kept.
+  by bucket, never all at once: with asynchronous communication at most ``max_in_flight`` = 1
+  reduction stays unfinished while the next bucket fills. Inside ``no_sync()`` the full local
+  ``param.grad`` is kept.
 
 Both stores give the optimizer the reduced gradient of each owned piece (``reduced_grad``) and
 clear gradients for it (``zero_grad``). The reduction leaves nothing to accumulate onto, so a
@@ -54,6 +56,7 @@ class ZeroGradStore(ABC):
 
     stage = 0
     reduces_eagerly = False
+    max_in_flight: Optional[int] = None
 
     def __init__(
         self,
@@ -92,8 +95,9 @@ class ZeroGradStore(ABC):
     def finish(self, bucket: int) -> None:
         self._pending.pop(bucket).wait()
 
-    def end(self) -> None:
-        self.reduced = True
+    def end(self, sync: bool) -> None:
+        if sync:
+            self.reduced = True
 
     def reset(self) -> None:
         self._pending = {}
@@ -191,6 +195,7 @@ class StagedGradShard(ZeroGradStore):
 
     stage = 2
     reduces_eagerly = True  # reducing during backward is what frees the full gradients
+    max_in_flight = 1  # staging buffers alive: this one, the bucket being filled (and the tied)
 
     def __init__(self, *args: Any) -> None:  # ZeroGradStore's arguments
         super().__init__(*args)

@@ -2,8 +2,11 @@
 
 [Note: ZeRO-1/2 wrapper]
 At wrap time the trainable parameters move into a flat parameter buffer ([Note: ZeRO flat
-layout]): ``param.data`` becomes a view of it, so layers compute with the full parameters through
-the default ``LOCAL_HANDLER``. Rank 0's parameters and buffers are broadcast. Backward is the
+layout]): ``param.data`` becomes a view of it, so the model's own modules, not converted
+([Note: replicated strategies]), compute with the full parameters. Under a mixed-precision
+policy the buffer is of ``param_dtype``: the modules compute in it as they are, and the fp32
+masters live in the optimizer's shards. Rank 0's parameters and buffers are broadcast (buffers
+again before forwards, as torch's DDP: ``broadcast_buffers``). Backward is the
 shared engine ([Note: bucketed backward]) over the layout's buckets; the stage is the gradient
 store the wrapper plugs in (``grad_store``, [Note: ZeRO gradient stores]): ``Zero1`` and
 ``Zero2`` differ in that one line. The optimizer ([Note: ZeRO optimizer step]) asks the wrapper
@@ -21,10 +24,9 @@ from torch import nn
 from tiny_fsdp.core import comm
 from tiny_fsdp.core.bucketed_backward import BucketedBackward
 from tiny_fsdp.core.precision import MixedPrecisionPolicy
-from tiny_fsdp.core.local_state import LocalPiece
-from tiny_fsdp.core.local_state import replicated_piece
+from tiny_fsdp.core.local_state import LocalPiece, replicated_piece
 from tiny_fsdp.core.ownership import owner_of
-from tiny_fsdp.core.wrapper import DataParallelWrapper
+from tiny_fsdp.core.replicated import ReplicatedWrapper, broadcast_module_buffers
 from tiny_fsdp.core.zero.flat_buffer import (
     FlatBuffer,
     FlatLayout,
@@ -41,20 +43,22 @@ def zero_owner(tensor: torch.Tensor) -> Optional["ZeroWrapper"]:
     return owner if isinstance(owner, ZeroWrapper) else None
 
 
-class ZeroWrapper(DataParallelWrapper):
+class ZeroWrapper(ReplicatedWrapper):
     """Shared ZeRO-1/2 implementation; use ``Zero1`` or ``Zero2`` ([Note: ZeRO-1/2 wrapper]).
 
     Args:
-        module: the model, on its final device; converted in place to tiny_fsdp layers.
+        module: any ``nn.Module``, on its final device; used as it is.
         bucket_cap_mb: maximum parameter bytes (MiB) per bucket (one reduce-scatter each).
         enable_async_communication: overlap the reduce-scatters with backward and the
-            all-gathers with each other.
+            all-gathers with each other (bitwise the same result).
         mixed_precision: ZeRO-1/2 already keep low-precision parameters with fp32 master
             shards in the optimizer, so the policy maps onto that: the (fp32) model's
             parameters are stored in ``param_dtype``, gradients are reduced in that dtype
             (``reduce_dtype`` must equal it) and the optimizer's fp32 masters start from the
             exact fp32 values ([Note: mixed precision]). ``state_dict()`` then holds
             ``param_dtype`` tensors; the fp32 masters are in the optimizer's state.
+        broadcast_buffers: rank 0's buffers before each forward, as torch's DDP ([Note:
+            replicated strategies]).
 
     All trainable parameters must share one dtype and device. ``state_dict()`` /
     ``load_state_dict()`` use the plain model's keys and full tensors.
@@ -75,10 +79,11 @@ class ZeroWrapper(DataParallelWrapper):
         self,
         module: nn.Module,
         bucket_cap_mb: float = 25.0,
-        enable_async_communication: bool = False,
+        enable_async_communication: bool = True,
         mixed_precision: Optional[MixedPrecisionPolicy] = None,
+        broadcast_buffers: bool = True,
     ) -> None:
-        super().__init__(module, enable_async_communication, mixed_precision)
+        super().__init__(module, enable_async_communication, mixed_precision, broadcast_buffers)
         if mixed_precision is not None and mixed_precision.reduce_dtype != (
             mixed_precision.param_dtype
         ):
@@ -125,8 +130,9 @@ class ZeroWrapper(DataParallelWrapper):
                 self.param_buffer.view(i).copy_(p)
                 p.data = self.param_buffer.view(i)
             comm.broadcast(self.param_buffer.data, src=0)
-            for t in [p for _, p in named if not p.requires_grad] + list(self.module.buffers()):
-                comm.broadcast(t.detach(), src=0)
+            for p in [p for _, p in named if not p.requires_grad]:
+                comm.broadcast(p.detach(), src=0)
+            broadcast_module_buffers(self.module)
 
         self._grads = self.grad_store(self.params, self.layout, dtype, device, self.rank)
         self._optimizers: "weakref.WeakSet[Any]" = weakref.WeakSet()
