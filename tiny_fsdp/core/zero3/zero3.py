@@ -27,7 +27,7 @@ from torch import nn
 from torch.nn.modules.module import _IncompatibleKeys
 
 from tiny_fsdp.core import comm
-from tiny_fsdp.core.module import CallbackModule
+from tiny_fsdp.core.module import is_layer
 from tiny_fsdp.core.precision import MixedPrecisionPolicy
 from tiny_fsdp.core.wrapper import DataParallelWrapper, check_no_shared_storage
 from tiny_fsdp.core.zero3.handler import ATTR, FetchStats, TensorInfo, Zero3Handler, Zero3Runtime
@@ -93,7 +93,7 @@ class Zero3(DataParallelWrapper):
         self.device = _choose_device(param_part_table, named, rank)  # move inputs here
         self._materialize(named, self.device, sync_module_states)
         for layer in self.module.modules():
-            if isinstance(layer, CallbackModule):
+            if is_layer(layer):
                 Zero3Handler(self._runtime).attach(layer)
 
     @property
