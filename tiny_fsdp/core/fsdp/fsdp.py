@@ -27,6 +27,7 @@ from tiny_fsdp.core.fsdp.handler import FSDPHandler
 from tiny_fsdp.core.fsdp.sharded_param import shard_info, shard_module
 from tiny_fsdp.core.fsdp.state import FSDPState
 from tiny_fsdp.core.fsdp.unit import GatherUnit, unit_layers
+from tiny_fsdp.core.module.outside_reads import OutsideReadWatch
 from tiny_fsdp.core.precision import MixedPrecisionPolicy
 from tiny_fsdp.core.utils.dist import require_process_group
 from tiny_fsdp.core.wrapper import (
@@ -94,6 +95,7 @@ class FSDP(DataParallelWrapper):
             self._state.units.append(gather_unit)
             for layer in layers:
                 layer.param_handler = FSDPHandler(layer, gather_unit, self._state, per_tensor)
+        self._reads = OutsideReadWatch(self.module)
 
     @property
     def units(self) -> List[GatherUnit]:
@@ -124,7 +126,7 @@ class FSDP(DataParallelWrapper):
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         self._state.pre_forward(self.enable_async_communication, torch.is_grad_enabled())
         try:
-            return self.module(*args, **kwargs)
+            return self._reads(lambda: self.module(*args, **kwargs))  # [Note: outside reads]
         finally:
             self._state.post_forward()
 

@@ -56,7 +56,7 @@ import torch
 from torch import nn
 
 from tiny_fsdp.core.module.handler import LOCAL_HANDLER, TrainingPhase
-from tiny_fsdp.core.module.layer import swap_in, swap_out
+from tiny_fsdp.core.module.layer import local_param, strategy_code, swap_in, swap_out
 
 FORWARD, BACKWARD = TrainingPhase.FORWARD, TrainingPhase.BACKWARD
 
@@ -111,6 +111,10 @@ class FullParam:
         if self.full is not None:
             self.full.untyped_storage().resize_(0)
 
+    @property
+    def is_full(self) -> bool:
+        return self.full is not None and self.full.untyped_storage().size() > 0
+
 
 class GenericLayer:
     """Hooks and full tensors of one module on the generic path ([Note: generic layer])."""
@@ -118,7 +122,6 @@ class GenericLayer:
     def __init__(self, module: nn.Module) -> None:
         self.module = module
         self.params: List[FullParam] = []
-        self.filled = False
         self.held = False  # filled by a backward hook: kept full until this backward ends
         self._queued = False  # end-of-backward callback queued
         self._depth = 0  # nested calls of the module's forward
@@ -128,8 +131,6 @@ class GenericLayer:
 
     def add_param(self, name: str, owner: nn.Module, slot: int) -> FullParam:
         """Compute with ``owner``'s parameter at ``slot``, registered where it is now held."""
-        from tiny_fsdp.core.module.layer import local_param
-
         local = local_param(owner, owner.param_names[slot])
         param = FullParam(name, local, owner, slot)
         self.params.append(param)
@@ -137,33 +138,56 @@ class GenericLayer:
 
     # ---------------------------------------------------------------- state
     @property
+    def depth(self) -> int:
+        """How many calls of the module's forward are running (0: not computing)."""
+        return self._depth
+
+    @property
     def active(self) -> bool:
         """False with single-device handlers: the module then computes with its own params."""
         return any(p.owner.param_handler is not LOCAL_HANDLER for p in self.params)
 
-    def unshard(self, phase: TrainingPhase) -> None:
-        """Fill every full tensor from its owner's handler (fetch, copy, release at once)."""
-        if self.filled:
-            return
-        by_owner: Dict[int, Tuple[nn.Module, List[Tuple[int, FullParam]]]] = {}
-        for index, param in enumerate(self.params):
-            by_owner.setdefault(id(param.owner), (param.owner, []))[1].append((index, param))
-        for owner, members in by_owner.values():
-            handler = owner.param_handler
-            fetched = handler.fetch(owner, phase)
-            try:
-                for index, param in members:
-                    if param.fill(fetched[param.slot]) and param.full.requires_grad:
-                        param.full.register_post_accumulate_grad_hook(self._grad_hook(index))
-            finally:
-                del fetched
-                handler.release(owner, phase)
-        self.filled = True
+    def unshard(self, phase: TrainingPhase, params: Optional[List[FullParam]] = None) -> None:
+        """Fill the full tensors (default: all not filled yet) from their owners' handlers:
+        fetch, copy, release at once (the copy is ours)."""
+        if params is None:
+            params = [p for p in self.params if not p.is_full]
+        by_owner: Dict[int, Tuple[nn.Module, List[FullParam]]] = {}
+        for param in params:
+            by_owner.setdefault(id(param.owner), (param.owner, []))[1].append(param)
+        with strategy_code():
+            for owner, members in by_owner.values():
+                handler = owner.param_handler
+                fetched = handler.fetch(owner, phase)
+                try:
+                    for param in members:
+                        if param.fill(fetched[param.slot]) and param.full.requires_grad:
+                            hook = self._grad_hook(self.params.index(param))
+                            param.full.register_post_accumulate_grad_hook(hook)
+                finally:
+                    del fetched
+                    handler.release(owner, phase)
 
     def reshard(self) -> None:
         for param in self.params:
             param.free()
-        self.filled = False
+
+    def swap_in(self, params: Optional[List[FullParam]] = None) -> None:
+        """Point the holders' registrations at the full tensors (default: every parameter)."""
+        for param in self.params if params is None else params:
+            for holder, attr in param.holders:
+                swap_in(holder, attr, param.full)
+
+    def add_while_computing(self, param: FullParam) -> None:
+        """``param`` was just added while the module's forward runs: fill and register it now,
+        and have the post-forward hook treat this call as one of ours."""
+        if self._depth == 0:  # the pre-forward hook did nothing (nothing to fetch then)
+            self._depth = 1
+            self.unshard(FORWARD)
+            self.swap_in()
+        else:
+            self.unshard(FORWARD, [param])
+            self.swap_in([param])
 
     # ---------------------------------------------------------------- hooks
     def _pre_forward(self, module: nn.Module, args: Any) -> None:
@@ -172,12 +196,10 @@ class GenericLayer:
         self._depth += 1
         if self._depth > 1:  # the module calls itself: already full and swapped
             return
-        if not self.held:  # a recomputation inside backward finds it full already
-            self.filled = False
+        if not self.held:  # (a recomputation inside backward finds it full already)
+            self.reshard()  # a forward always fetches afresh: the step may have changed them
         self.unshard(FORWARD)
-        for param in self.params:
-            for holder, attr in param.holders:
-                swap_in(holder, attr, param.full)
+        self.swap_in()
 
     def _post_forward(self, module: nn.Module, args: Any, output: Any) -> None:
         if self._depth == 0:
@@ -212,7 +234,8 @@ class GenericLayer:
             self._pending[index] = grad if previous is None else previous + grad
             trainable = [p for p in self.params if p.local.requires_grad]
             if len(self._pending) == len(trainable):
-                self._reduce()
+                with strategy_code():
+                    self._reduce()
                 if len(trainable) == len(self.params):  # no frozen tensor still in use
                     self.reshard()
 
@@ -221,7 +244,8 @@ class GenericLayer:
     def _finish_backward(self) -> None:
         self._queued = False
         if self._pending:
-            self._reduce()
+            with strategy_code():
+                self._reduce()
         self.held = False
         self.reshard()
 
@@ -288,6 +312,15 @@ def output_tensors(value: Any, depth: int = 0) -> Iterator[torch.Tensor]:
 def generic_layer(module: nn.Module) -> Optional[GenericLayer]:
     """The ``GenericLayer`` attached to ``module``, or None."""
     return _LAYERS.get(module)
+
+
+def reader_layer(module: nn.Module) -> GenericLayer:
+    """The module's ``GenericLayer``, attached (with no parameter yet) if it has none: a module
+    reading other layers' parameters in its forward ([Note: outside reads])."""
+    layer = _LAYERS.get(module)
+    if layer is None:
+        layer = _LAYERS[module] = GenericLayer(module)
+    return layer
 
 
 def own_param_names(module: nn.Module) -> Tuple[str, ...]:

@@ -12,8 +12,9 @@ local parameters (the tensors the strategy keeps: full, shard or empty). ``swap_
 strategy's question "which tensor do you really hold?" at any time, swapped or not.
 """
 
+import contextlib
 import weakref
-from typing import Dict
+from typing import Dict, Iterator
 
 import torch
 from torch import nn
@@ -61,3 +62,20 @@ def swap_out(module: nn.Module, attr: str) -> None:
 def is_swapped(module: nn.Module, attr: str) -> bool:
     originals = _SWAPPED.get(module)
     return originals is not None and attr in originals
+
+
+_IN_STRATEGY_CODE = [0]  # > 0 while strategy code (fetch, reduce) runs on local parameters
+
+
+@contextlib.contextmanager
+def strategy_code() -> Iterator[None]:
+    """Mark code that legitimately reads local parameters ([Note: outside reads])."""
+    _IN_STRATEGY_CODE[0] += 1
+    try:
+        yield
+    finally:
+        _IN_STRATEGY_CODE[0] -= 1
+
+
+def in_strategy_code() -> bool:
+    return _IN_STRATEGY_CODE[0] > 0

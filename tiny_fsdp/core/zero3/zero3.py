@@ -28,6 +28,7 @@ from torch.nn.modules.module import _IncompatibleKeys
 
 from tiny_fsdp.core import comm
 from tiny_fsdp.core.module import is_layer
+from tiny_fsdp.core.module.outside_reads import OutsideReadWatch
 from tiny_fsdp.core.precision import MixedPrecisionPolicy
 from tiny_fsdp.core.wrapper import DataParallelWrapper, check_no_shared_storage
 from tiny_fsdp.core.zero3.handler import ATTR, FetchStats, TensorInfo, Zero3Handler, Zero3Runtime
@@ -95,6 +96,7 @@ class Zero3(DataParallelWrapper):
         for layer in self.module.modules():
             if is_layer(layer):
                 Zero3Handler(self._runtime).attach(layer)
+        self._reads = OutsideReadWatch(self.module)
 
     @property
     def fetch_stats(self) -> FetchStats:
@@ -121,7 +123,7 @@ class Zero3(DataParallelWrapper):
         self._runtime.sync_grads = self.require_backward_grad_sync
         self._runtime.pre_forward(self.enable_async_communication, torch.is_grad_enabled())
         try:
-            return self.module(*args, **kwargs)
+            return self._reads(lambda: self.module(*args, **kwargs))  # [Note: outside reads]
         finally:
             self._runtime.post_forward()
 
