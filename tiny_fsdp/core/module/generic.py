@@ -78,13 +78,17 @@ class FullParam:
         full: full-shape tensor object, storage empty when not in use; made at first fill.
     """
 
-    def __init__(self, name: str, local: nn.Parameter, owner: nn.Module, slot: int) -> None:
+    def __init__(self, name: str, owner: nn.Module, slot: int) -> None:
         self.name = name
-        self.local = local
         self.owner = owner
         self.slot = slot
         self.holders: List[Tuple[nn.Module, str]] = []
         self.full: Optional[nn.Parameter] = None
+
+    @property
+    def local(self) -> nn.Parameter:
+        # Looked up, not stored: a strategy may replace the object (a meta parameter made real).
+        return local_param(self.owner, self.owner.param_names[self.slot])
 
     def fill(self, source: torch.Tensor) -> bool:
         """Copy ``source`` into the full storage; True if a new full object had to be made."""
@@ -131,8 +135,7 @@ class GenericLayer:
 
     def add_param(self, name: str, owner: nn.Module, slot: int) -> FullParam:
         """Compute with ``owner``'s parameter at ``slot``, registered where it is now held."""
-        local = local_param(owner, owner.param_names[slot])
-        param = FullParam(name, local, owner, slot)
+        param = FullParam(name, owner, slot)
         self.params.append(param)
         return param
 

@@ -145,7 +145,7 @@ class _Watch(TorchFunctionMode):
         for param in layer.params:
             if param.local is local:
                 return param.full  # read again in the same forward
-        param = FullParam(self.watch.param_path(local), local, owner[0], owner[1])
+        param = FullParam(self.watch.param_path(local), owner[0], owner[1])
         param.holders = self.watch.holders(local)
         layer.params.append(param)
         _suspend_in_owners(param)

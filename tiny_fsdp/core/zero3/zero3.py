@@ -27,6 +27,7 @@ from torch import nn
 from torch.nn.modules.module import _IncompatibleKeys
 
 from tiny_fsdp.core import comm
+from tiny_fsdp.core.meta_buffers import has_meta_buffers, materialize_buffers
 from tiny_fsdp.core.module import is_layer
 from tiny_fsdp.core.module.outside_reads import OutsideReadWatch
 from tiny_fsdp.core.precision import MixedPrecisionPolicy
@@ -141,6 +142,8 @@ class Zero3(DataParallelWrapper):
                 f"init_parameter(name, tensor) method to initialise {meta[:3]} on their owners; "
                 "add one or build the model normally"
             )
+        if has_meta_buffers(self.module):  # [Note: meta buffers]; before the parameters
+            materialize_buffers(self.module, device, "Zero3")
         for name, param in named:
             info = TensorInfo(name, self.param_part_table[name], param.shape)
             owned = info.owner == rt.rank
@@ -163,11 +166,6 @@ class Zero3(DataParallelWrapper):
                     comm.broadcast(data, src=0)
                 param.data = data if owned else torch.empty(0, dtype=param.dtype, device=device)
             setattr(param, ATTR, info)
-        for path, buf in self.module.named_buffers():
-            if buf.is_meta:
-                raise NotImplementedError(
-                    f"buffer '{path}' is on the meta device; Zero3 materialises parameters only"
-                )
 
     def state_dict(
         self, destination: Optional[Dict] = None, prefix: str = "", keep_vars: bool = False
