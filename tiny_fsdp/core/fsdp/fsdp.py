@@ -46,9 +46,11 @@ class FSDP(DataParallelWrapper):
     """Fully sharded data parallel wrapper ([Note: FSDP]).
 
     Args:
-        module: the model; converted in place to tiny_fsdp layers and sharded. It may be built
+        module: any model; converted in place to tiny_fsdp layers (registered wrappers, else
+            the generic path, [Note: generic layer]) and sharded. It may be built
             on ``meta``: each tensor is then materialised with ``module.init_parameter(name,
-            full)``, sharded and freed, one at a time.
+            full)``, sharded and freed, one at a time; buffers by the model's own
+            initialisation ([Note: meta buffers]).
         world_size, rank: default to the default process group's; if given they must match it.
         reshard_after_forward: free full parameters after each layer's forward (default) or
             keep them until its backward (less communication, more memory).

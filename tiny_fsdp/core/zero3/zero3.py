@@ -42,7 +42,8 @@ class Zero3(DataParallelWrapper):
         module: the model; a normal one (every rank builds the same weights, e.g. same seed; the
             owner keeps its tensors) or one built on the ``meta`` device, in which case each
             owner allocates its tensors and fills them with ``module.init_parameter(name,
-            tensor)``, so the whole model never exists on one rank.
+            tensor)``, so the whole model never exists on one rank; its buffers are made real
+            by the model's own initialisation ([Note: meta buffers]).
         param_part_table: name -> owner rank for every ``module.named_parameters()`` name, as
             returned by ``zero3_partition_tensors``; its ``ranks_map`` device (if given) is
             where this rank's tensors live.
