@@ -199,8 +199,10 @@ class GenericLayer:
         self._depth += 1
         if self._depth > 1:  # the module calls itself: already full and swapped
             return
-        if not self.held:  # (a recomputation inside backward finds it full already)
-            self.reshard()  # a forward always fetches afresh: the step may have changed them
+        if torch._C._current_graph_task_id() == -1:  # not a recomputation inside backward
+            self.held = False  # (left over only by a backward that raised)
+        if not self.held:  # a forward fetches afresh: the step may have changed them
+            self.reshard()
         self.unshard(FORWARD)
         self.swap_in()
 
