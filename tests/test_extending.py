@@ -1,5 +1,6 @@
-"""Extending tiny_fsdp: new wrappers match torch, the generic fallback is exact, opt-in and loud,
-the guide's code runs, and a model using all of them trains like one device under every strategy.
+"""Extending tiny_fsdp: new wrappers match torch, the generic path is exact, silent and runs
+each forward once, the guide's code runs, and a model using all of them trains like one device
+under every strategy.
 """
 
 import copy
@@ -16,15 +17,20 @@ from torch import nn
 from tests.build import adamw, build, sgd
 from tests.harness import run_distributed
 from tests.parity import LOSS_ATOL, PARAM_ATOL, global_batch, lm_loss, local_slice, mean_over_ranks
-from tiny_fsdp.core.module import UnsupportedModuleError, convert_module
+from tiny_fsdp.core.module import (
+    ParamHandler,
+    UnsupportedModuleError,
+    convert_module,
+    generic_layer,
+    is_layer,
+)
 from tiny_fsdp.core.module.conv import Conv1d, Conv2d
-from tiny_fsdp.core.module.fallback import FallbackModule, make_fallback_wrapper
 from tiny_fsdp.core.module.registry import WRAPPERS
 from tiny_fsdp.core.module.rmsnorm import RMSNorm
 
 # float32. Conv calls the very kernels torch.nn's autograd calls (measured: bit-identical);
 # RMSNorm's hand-written backward sums in another order (measured <= 2.4e-7 on values <= ~12);
-# the fallback replays the module's own ops. 1e-6 is the task's bound and leaves that margin.
+# the generic path runs the module's own ops. 1e-6 is the task's bound and leaves that margin.
 ATOL = 1e-6
 GUIDE = Path(__file__).resolve().parents[1] / "docs" / "extending.md"
 
@@ -142,7 +148,7 @@ def test_rmsnorm_bfloat16_rounds_like_torch():
     _assert_matches(reference, ours, [x], atol=2**-5)
 
 
-# ------------------------------------------------------------------------------ generic fallback
+# ------------------------------------------------------------------------------ generic path
 
 
 class ChannelAffine(nn.Module):
@@ -197,13 +203,24 @@ class EmbedScale(nn.Module):
         return self.table[idx] * x
 
 
-def _fallback_convert(module: nn.Module) -> nn.Module:
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        return convert_module(copy.deepcopy(module), fallback=True)
+class CopyingHandler(ParamHandler):
+    """One-device handler that fetches *copies*: the generic path's full tensors, refills,
+    frees and gradient hand-back all run, as under a strategy, with nothing to communicate."""
+
+    def fetch(self, module: nn.Module, phase: Any) -> Tuple[Optional[torch.Tensor], ...]:
+        return tuple(p.detach().clone() for p in super().fetch(module, phase))
 
 
-FALLBACK_CASES = {  # name -> (module factory, inputs factory, kwargs)
+def _generic_convert(module: nn.Module) -> nn.Module:
+    """A converted copy of ``module`` whose layers all fetch copies (``CopyingHandler``)."""
+    ours = convert_module(copy.deepcopy(module))
+    for layer in ours.modules():
+        if is_layer(layer):
+            layer.param_handler = CopyingHandler()
+    return ours
+
+
+GENERIC_CASES = {  # name -> (module factory, inputs factory, kwargs)
     "affine": (lambda: ChannelAffine(6), lambda: [torch.randn(2, 3, 6, requires_grad=True)], {}),
     "affine_no_shift": (lambda: ChannelAffine(6, shift=False), lambda: [torch.randn(4, 6)], {}),
     "bilinear": (
@@ -228,18 +245,18 @@ FALLBACK_CASES = {  # name -> (module factory, inputs factory, kwargs)
 }
 
 
-@pytest.mark.parametrize("case", list(FALLBACK_CASES))
-def test_fallback_matches_torch(case):
-    make_module, make_inputs, kwargs = FALLBACK_CASES[case]
+@pytest.mark.parametrize("case", list(GENERIC_CASES))
+def test_generic_path_matches_torch(case):
+    make_module, make_inputs, kwargs = GENERIC_CASES[case]
     torch.manual_seed(0)
     reference = make_module()
-    ours = _fallback_convert(reference)
-    assert isinstance(ours, FallbackModule) and isinstance(ours, type(reference))
+    ours = _generic_convert(reference)
+    assert type(ours) is type(reference) and generic_layer(ours) is not None
     _assert_matches(reference, ours, make_inputs(), kwargs)
 
 
 class GatedNoise(nn.Module):
-    """No parameters of its own (not wrapped); its children are a fallback-wrapped module with a
+    """No parameters of its own (not a layer); its children are a generic layer with a
     converted child, and a module drawing random numbers."""
 
     def __init__(self, dim: int) -> None:
@@ -251,18 +268,17 @@ class GatedNoise(nn.Module):
         return self.noise(self.gate(x, x))
 
 
-def test_fallback_wraps_only_direct_params_and_keeps_the_rng_stream():
+def test_generic_path_takes_only_direct_params_and_keeps_the_rng_stream():
     torch.manual_seed(0)
     reference = GatedNoise(4)
     reference.gate.proj.bias.requires_grad_(False)  # a frozen child parameter gets no gradient
-    ours = _fallback_convert(reference)
-    assert not isinstance(ours, FallbackModule)
+    ours = _generic_convert(reference)
+    assert not is_layer(ours)
     assert ours.gate.param_names == ("weight",) and type(ours.gate.proj).__name__ == "Linear"
     assert set(ours.state_dict()) == set(reference.state_dict())
     x = torch.randn(3, 4, requires_grad=True)
     _assert_matches(reference, ours, [x], seed=1)
-    # The backward recomputation replays the forward's draws in a forked RNG: afterwards the
-    # global generator is where one plain forward leaves it.
+    # No recomputation: after a step the global generator is where one plain forward leaves it.
     draws = []
     for model in (reference, ours):
         torch.manual_seed(1)
@@ -271,39 +287,52 @@ def test_fallback_wraps_only_direct_params_and_keeps_the_rng_stream():
     assert torch.equal(draws[0], draws[1])
 
 
-def test_fallback_is_opt_in_and_warns_with_path_and_type():
+def test_generic_path_is_the_default_and_silent():
     model = nn.Sequential(nn.Linear(3, 3), nn.Sequential(ChannelAffine(3)))
-    with pytest.raises(UnsupportedModuleError, match="'1.0'.*ChannelAffine"):
-        convert_module(copy.deepcopy(model))
-    with pytest.warns(UserWarning) as record:
-        converted = convert_module(model, fallback=True)
-    messages = [str(w.message) for w in record]
-    assert len(messages) == 1
-    assert "'1.0'" in messages[0] and f"{__name__}.ChannelAffine" in messages[0]
-    assert "slower" in messages[0] and "register a wrapper" in messages[0]
-    assert type(converted[1][0]).__name__ == "FallbackChannelAffine"
-
-
-def test_fallback_class_is_made_once_per_layer_class():
-    a, b = ChannelAffine(2), ChannelAffine(2, shift=False)
     with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        make_fallback_wrapper(a, "a")
-        make_fallback_wrapper(b, "b")
-        make_fallback_wrapper(a, "a")  # already wrapped: no-op
-    assert type(a) is type(b) and type(a).function.__name__ == "FallbackChannelAffineFunction"
-    assert a.param_names == ("scale", "shift") and b.param_names == ("scale",)
-    with pytest.raises(ValueError, match="no parameters"):
-        make_fallback_wrapper(nn.ReLU())
+        warnings.simplefilter("error")
+        converted = convert_module(model)
+    affine = converted[1][0]
+    assert type(affine) is ChannelAffine and affine.param_names == ("scale", "shift")
+    no_shift = convert_module(ChannelAffine(2, shift=False))
+    assert no_shift.param_names == ("scale",) and not is_layer(convert_module(nn.ReLU()))
 
 
-def test_fallback_rejects_non_tensor_output():
-    class Pair(ChannelAffine):
+class Counting(ChannelAffine):
+    """Counts its forward calls and returns a structured output."""
+
+    calls = 0
+
+    def forward(self, x: torch.Tensor) -> Any:
+        Counting.calls += 1
+        y = super().forward(x)
+        return {"y": y, "pair": (y * 2, x)}
+
+
+def test_generic_path_runs_forward_once_and_takes_structured_outputs():
+    torch.manual_seed(0)
+    reference = Counting(3)
+    ours = _generic_convert(reference)
+    x = torch.randn(2, 3, requires_grad=True)
+    Counting.calls = 0
+    out = ours(x.detach().clone().requires_grad_())
+    (out["y"].sum() + out["pair"][0].pow(2).sum()).backward()
+    assert Counting.calls == 1  # forward and backward: one call
+    ref = reference(x)
+    (ref["y"].sum() + ref["pair"][0].pow(2).sum()).backward()
+    for name, param in reference.named_parameters():
+        assert torch.allclose(param.grad, getattr(ours, name).grad, atol=ATOL), name
+
+
+def test_module_returning_its_parameter_is_refused_with_the_fix():
+    class Table(ChannelAffine):
         def forward(self, x: torch.Tensor) -> Any:
-            return x * self.scale, x
+            return self.scale  # the parameter itself leaves the forward
 
-    ours = _fallback_convert(Pair(2))
-    with pytest.raises(TypeError, match="one tensor"):
+    ours = _generic_convert(Table(2))
+    with pytest.raises(
+        UnsupportedModuleError, match=r"Table.forward returns its parameter 'scale'"
+    ):
         ours(torch.randn(2))
 
 
@@ -346,7 +375,7 @@ VOCAB, WIDTH, SEQ_LEN, STEPS = 67, 9, 8, 4  # odd width: no tensor divides 2 ran
 
 
 class ConvLM(nn.Module):
-    """Tiny token model on Conv1d + RMSNorm + two fallback modules (one with a child Linear)."""
+    """Tiny token model on Conv1d + RMSNorm + two generic layers (one with a child Linear)."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -382,7 +411,7 @@ def _parity_worker(rank: int, world_size: int, strategy: str) -> List[Tuple[str,
             reference = ConvLM()
             model, optimizer = build(
                 strategy,
-                _fallback_convert(reference),
+                copy.deepcopy(reference),
                 OPTIMIZERS[optim],
                 enable_async_communication=async_comm,
             )
@@ -414,6 +443,6 @@ STRATEGIES = ["ddp", "zero1", "zero2", "zero3", "fsdp"]
 
 
 @pytest.mark.parametrize("strategy", STRATEGIES)
-def test_conv_rmsnorm_and_fallback_train_like_one_device(strategy):
+def test_conv_rmsnorm_and_generic_layers_train_like_one_device(strategy):
     results = run_distributed(_parity_worker, 2, strategy)
     assert len(results[0]) == 4  # 2 optimizers x async off / on, all checked on every rank

@@ -1,6 +1,7 @@
 """The layer wrappers match torch.nn exactly, and conversion keeps weights and tying."""
 
 import copy
+import warnings
 
 import pytest
 import torch
@@ -11,8 +12,9 @@ from tiny_fsdp.core.module import (
     Embedding,
     LayerNorm,
     Linear,
-    UnsupportedModuleError,
     convert_module,
+    generic_layer,
+    is_layer,
     register_wrapper,
 )
 from tiny_fsdp.core.module.registry import WRAPPERS
@@ -137,12 +139,14 @@ class _Scale(nn.Module):
         return x * self.gain
 
 
-def test_unsupported_module_error_names_path_type_and_fix():
+def test_module_without_wrapper_takes_the_generic_path_silently():
     model = nn.Sequential(nn.Linear(3, 3), nn.Sequential(_Scale()))
-    with pytest.raises(UnsupportedModuleError) as err:
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no warning: the generic path is the default
         convert_module(model)
-    message = str(err.value)
-    assert "'1.0'" in message and "_Scale" in message and "register_wrapper" in message
+    scale = model[1][0]
+    assert type(scale) is _Scale and is_layer(scale) and scale.param_names == ("gain",)
+    assert not is_layer(model[1]) and generic_layer(model[1]) is None
 
 
 def test_register_wrapper_makes_conversion_work():

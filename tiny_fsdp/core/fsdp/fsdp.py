@@ -27,6 +27,7 @@ from tiny_fsdp.core.fsdp.sharded_param import shard_info, shard_module
 from tiny_fsdp.core.fsdp.state import FSDPState
 from tiny_fsdp.core.fsdp.unit import GatherUnit, unit_layers
 from tiny_fsdp.core.local_state import LocalPiece
+from tiny_fsdp.core.module.outside_reads import OutsideReadWatch
 from tiny_fsdp.core.precision import MixedPrecisionPolicy
 from tiny_fsdp.core.utils.dist import require_process_group
 from tiny_fsdp.core.wrapper import DataParallelWrapper
@@ -36,9 +37,11 @@ class FSDP(DataParallelWrapper):
     """Fully sharded data parallel wrapper ([Note: FSDP]).
 
     Args:
-        module: the model; converted in place to tiny_fsdp layers and sharded. It may be built
+        module: any model; converted in place to tiny_fsdp layers (registered wrappers, else
+            the generic path, [Note: generic layer]) and sharded. It may be built
             on ``meta``: each tensor is then materialised with ``module.init_parameter(name,
-            full)``, sharded and freed, one at a time.
+            full)``, sharded and freed, one at a time; buffers by the model's own
+            initialisation ([Note: meta buffers]).
         world_size, rank: default to the default process group's; if given they must match it.
         reshard_after_forward: free full parameters after each layer's forward (default) or
             keep them until its backward (less communication, more memory).
@@ -89,6 +92,7 @@ class FSDP(DataParallelWrapper):
             self._state.units.append(gather_unit)
             for layer in layers:
                 layer.param_handler = FSDPHandler(layer, gather_unit, self._state, per_tensor)
+        self._reads = OutsideReadWatch(self.module)
 
     @property
     def units(self) -> List[GatherUnit]:
@@ -119,7 +123,7 @@ class FSDP(DataParallelWrapper):
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         self._state.pre_forward(self.enable_async_communication, torch.is_grad_enabled())
         try:
-            return self.module(*args, **kwargs)
+            return self._reads(lambda: self.module(*args, **kwargs))  # [Note: outside reads]
         finally:
             self._state.post_forward()
 

@@ -23,6 +23,7 @@ import torch.distributed as dist
 from torch import nn
 
 from tiny_fsdp.core import comm
+from tiny_fsdp.core.meta_buffers import has_meta_buffers, materialize_buffers
 
 # Attribute set on every sharded nn.Parameter; its presence is what marks a tensor as a shard.
 SHARD_ATTR = "_tiny_fsdp_shard"
@@ -170,8 +171,11 @@ def shard_module(
     For each parameter: take its full value (materialised with ``root.init_parameter`` when on
     ``meta``; moved to ``device`` if given), broadcast it from rank 0 if ``sync`` (ranks cannot
     silently disagree), keep this rank's shard, and free the full tensor before the next one,
-    so a rank never holds a second full copy of the model.
+    so a rank never holds a second full copy of the model. Buffers on ``meta`` are made real
+    first by the model's own initialisation ([Note: meta buffers]).
     """
+    if has_meta_buffers(root):  # before the parameters: an init may need their full shapes
+        materialize_buffers(root, _meta_device(device), "FSDP")
     holders = defaultdict(list)  # id(param) -> [(module, attribute)] that hold it
     for module in root.modules():
         for attr, param in module._parameters.items():
@@ -198,6 +202,14 @@ def shard_module(
                 comm.broadcast(buffer, src=0)  # buffers stay whole, and equal on every rank
 
 
+def _meta_device(device: Optional[torch.device]) -> torch.device:
+    """Where ``meta`` tensors are materialised: ``device``, else CUDA with NCCL, else CPU."""
+    if device is not None:
+        return torch.device(device)
+    on_nccl = dist.get_backend() == "nccl"
+    return torch.device("cuda", torch.cuda.current_device()) if on_nccl else torch.device("cpu")
+
+
 def _full_tensor(
     root: nn.Module, name: str, param: nn.Parameter, device: Optional[torch.device]
 ) -> torch.Tensor:
@@ -213,9 +225,6 @@ def _full_tensor(
             "(see [Note: per-parameter init] in tiny_fsdp/models/gpt2.py) or build the model on a "
             "real device."
         )
-    if device is None:
-        on_nccl = dist.get_backend() == "nccl"
-        device = torch.device("cuda", torch.cuda.current_device()) if on_nccl else "cpu"
-    full = torch.empty(param.shape, dtype=param.dtype, device=device)
+    full = torch.empty(param.shape, dtype=param.dtype, device=_meta_device(device))
     init(name, full)
     return full

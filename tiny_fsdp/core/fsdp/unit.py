@@ -42,7 +42,7 @@ from tiny_fsdp.core import comm
 from tiny_fsdp.core.fsdp.sharded_param import ShardedParam, shard_info
 from tiny_fsdp.core.fsdp.state import FSDPState
 from tiny_fsdp.core.fsdp.tied import TiedReduction
-from tiny_fsdp.core.module.base import CallbackModule
+from tiny_fsdp.core.module.layer import is_layer
 from tiny_fsdp.core.module.handler import Params, TrainingPhase
 
 # One collective per entry: (work or None, output (world * numel,), input kept alive until done).
@@ -167,7 +167,7 @@ def unit_layers(
 ) -> List[Tuple[str, List[nn.Module]]]:
     """``(name, layers)`` of every gather unit, in module order ([Note: gather units])."""
     names = {id(m): path or "<root>" for path, m in root.named_modules()}
-    layers = [m for m in root.modules() if isinstance(m, CallbackModule)]
+    layers = [m for m in root.modules() if is_layer(m)]
     if isinstance(unit, str):
         if unit not in ("layer", "tensor"):
             raise ValueError(f"unit must be 'layer', 'tensor' or a list of modules, got {unit!r}")
@@ -178,7 +178,7 @@ def unit_layers(
         if not isinstance(module, nn.Module) or id(module) not in names:
             raise ValueError(f"unit entry {index} is not a submodule of the wrapped model")
         for layer in module.modules():
-            if isinstance(layer, CallbackModule):
+            if is_layer(layer):
                 if id(layer) in owners:
                     raise ValueError(
                         f"layer '{names[id(layer)]}' is inside two unit modules "

@@ -3,8 +3,9 @@
 from tiny_fsdp.core.module.base import CallbackFunction, CallbackModule
 from tiny_fsdp.core.module.conv import Conv1d, Conv2d
 from tiny_fsdp.core.module.embedding import Embedding
-from tiny_fsdp.core.module.fallback import FallbackModule, make_fallback_wrapper
+from tiny_fsdp.core.module.generic import GenericLayer, attach_generic, generic_layer
 from tiny_fsdp.core.module.handler import LOCAL_HANDLER, ParamHandler, TrainingPhase
+from tiny_fsdp.core.module.layer import is_layer, local_param
 from tiny_fsdp.core.module.layernorm import LayerNorm
 from tiny_fsdp.core.module.linear import Linear
 from tiny_fsdp.core.module.registry import (
@@ -21,7 +22,7 @@ __all__ = [
     "Conv1d",
     "Conv2d",
     "Embedding",
-    "FallbackModule",
+    "GenericLayer",
     "LayerNorm",
     "Linear",
     "LOCAL_HANDLER",
@@ -31,6 +32,9 @@ __all__ = [
     "UnsupportedModuleError",
     "WRAPPERS",
     "convert_module",
-    "make_fallback_wrapper",
+    "attach_generic",
+    "generic_layer",
+    "is_layer",
+    "local_param",
     "register_wrapper",
 ]

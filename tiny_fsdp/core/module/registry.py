@@ -6,7 +6,7 @@ from torch import nn
 
 from tiny_fsdp.core.module.base import CallbackModule
 from tiny_fsdp.core.module.embedding import Embedding
-from tiny_fsdp.core.module.fallback import make_fallback_wrapper
+from tiny_fsdp.core.module.generic import UnsupportedModuleError, attach_generic
 from tiny_fsdp.core.module.layernorm import LayerNorm
 from tiny_fsdp.core.module.linear import Linear
 
@@ -16,9 +16,7 @@ WRAPPERS: Dict[Type[nn.Module], Type[CallbackModule]] = {
     nn.Embedding: Embedding,
 }
 
-
-class UnsupportedModuleError(TypeError):
-    """A module holds parameters but no wrapper is registered for its class."""
+__all__ = ["WRAPPERS", "UnsupportedModuleError", "convert_module", "register_wrapper"]
 
 
 def register_wrapper(torch_cls: Type[nn.Module], wrapper_cls: Type[CallbackModule]) -> None:
@@ -34,15 +32,15 @@ def register_wrapper(torch_cls: Type[nn.Module], wrapper_cls: Type[CallbackModul
     WRAPPERS[torch_cls] = wrapper_cls
 
 
-def convert_module(model: nn.Module, fallback: bool = False) -> nn.Module:
-    """Swap, in place, every registered layer of ``model`` for its wrapper; return ``model``.
+def convert_module(model: nn.Module) -> nn.Module:
+    """Make every module of ``model`` that holds parameters a layer, in place; return ``model``.
 
-    Only the class of each module changes: parameter objects are kept, so weights are unchanged and
-    a parameter shared by two modules (GPT-2's tied ``wte``/``lm_head``) stays shared. A module
-    that directly holds parameters and has no wrapper raises ``UnsupportedModuleError`` naming it,
-    unless ``fallback=True``: then it gets the generic wrapper of ``fallback.py`` (with a warning).
+    A registered layer's class is swapped for its wrapper (the explicit, fast path); any other
+    module holding parameters of its own gets the generic path's hooks ([Note: generic layer]),
+    its class and ``forward`` untouched. Parameter objects are kept, so weights are unchanged
+    and a parameter shared by two modules (GPT-2's tied ``wte``/``lm_head``) stays shared.
     """
-    for path, module in model.named_modules():
+    for module in model.modules():
         if isinstance(module, CallbackModule):
             continue
         wrapper = WRAPPERS.get(type(module))
@@ -51,17 +49,7 @@ def convert_module(model: nn.Module, fallback: bool = False) -> nn.Module:
             check = getattr(module, "check_supported", None)
             if check is not None:
                 check()
-        elif any(True for _ in module.parameters(recurse=False)):
-            if fallback:
-                make_fallback_wrapper(module, path)
-                continue
-            names = [name for name, _ in module.named_parameters(recurse=False)]
-            raise UnsupportedModuleError(
-                f"module '{path or '<root>'}' of type {type(module).__module__}."
-                f"{type(module).__qualname__} holds parameters {names} but has no tiny_fsdp "
-                "wrapper. Write a CallbackModule subclass of it (forward_callback / "
-                "backward_callback) and call tiny_fsdp.core.module.register_wrapper("
-                f"{type(module).__qualname__}, YourWrapper) before wrapping the model, or opt in "
-                "to the slower generic wrapper with convert_module(model, fallback=True)."
-            )
+    for module in model.modules():
+        if not isinstance(module, CallbackModule):
+            attach_generic(module)
     return model

@@ -40,7 +40,7 @@ import torch
 from torch import nn
 
 from tiny_fsdp.core import comm
-from tiny_fsdp.core.module import ParamHandler
+from tiny_fsdp.core.module import ParamHandler, local_param
 from tiny_fsdp.core.module.handler import Params, TrainingPhase
 from tiny_fsdp.core.precision import MixedPrecisionPolicy
 from tiny_fsdp.core.prefetch import Prefetcher
@@ -179,7 +179,7 @@ class Zero3Handler(ParamHandler):
         full_params: List[Optional[torch.Tensor]] = []
         works, nbytes = [], 0
         for name in self.module.param_names:
-            local = getattr(self.module, name)
+            local = local_param(self.module, name)  # also while a generic layer computes
             if local is None:  # absent bias
                 full_params.append(None)
                 continue

@@ -25,7 +25,9 @@ import torch.distributed as dist
 from torch import nn
 
 from tiny_fsdp.core import comm
-from tiny_fsdp.core.module import CallbackModule
+from tiny_fsdp.core.meta_buffers import has_meta_buffers, materialize_buffers
+from tiny_fsdp.core.module import is_layer
+from tiny_fsdp.core.module.outside_reads import OutsideReadWatch
 from tiny_fsdp.core.precision import MixedPrecisionPolicy
 from tiny_fsdp.core.local_state import LocalPiece
 from tiny_fsdp.core.wrapper import DataParallelWrapper
@@ -39,7 +41,8 @@ class Zero3(DataParallelWrapper):
         module: the model; a normal one (every rank builds the same weights, e.g. same seed; the
             owner keeps its tensors) or one built on the ``meta`` device, in which case each
             owner allocates its tensors and fills them with ``module.init_parameter(name,
-            tensor)``, so the whole model never exists on one rank.
+            tensor)``, so the whole model never exists on one rank; its buffers are made real
+            by the model's own initialisation ([Note: meta buffers]).
         param_part_table: name -> owner rank for every ``module.named_parameters()`` name, as
             returned by ``zero3_partition_tensors``; its ``ranks_map`` device (if given) is
             where this rank's tensors live.
@@ -97,8 +100,9 @@ class Zero3(DataParallelWrapper):
         self._materialize(named, self.device, sync_module_states)
         self.claim(self.module.parameters())  # meta parameters were replaced by new objects
         for layer in self.module.modules():
-            if isinstance(layer, CallbackModule):
+            if is_layer(layer):
                 Zero3Handler(self._runtime).attach(layer)
+        self._reads = OutsideReadWatch(self.module)
 
     @property
     def fetch_stats(self) -> FetchStats:
@@ -125,7 +129,7 @@ class Zero3(DataParallelWrapper):
         self._runtime.sync_grads = self.require_backward_grad_sync
         self._runtime.pre_forward(self.enable_async_communication, torch.is_grad_enabled())
         try:
-            return self.module(*args, **kwargs)
+            return self._reads(lambda: self.module(*args, **kwargs))  # [Note: outside reads]
         finally:
             self._runtime.post_forward()
 
@@ -143,6 +147,8 @@ class Zero3(DataParallelWrapper):
                 f"init_parameter(name, tensor) method to initialise {meta[:3]} on their owners; "
                 "add one or build the model normally"
             )
+        if has_meta_buffers(self.module):  # [Note: meta buffers]; before the parameters
+            materialize_buffers(self.module, device, "Zero3")
         for name, param in named:
             info = TensorInfo(name, self.param_part_table[name], param.shape)
             owned = info.owner == rt.rank
@@ -165,11 +171,6 @@ class Zero3(DataParallelWrapper):
                     comm.broadcast(data, src=0)
                 param.data = data if owned else torch.empty(0, dtype=param.dtype, device=device)
             setattr(param, ATTR, info)
-        for path, buf in self.module.named_buffers():
-            if buf.is_meta:
-                raise NotImplementedError(
-                    f"buffer '{path}' is on the meta device; Zero3 materialises parameters only"
-                )
 
     # ---------------------------------------------------------------- what this rank holds
     def _info(self, param: torch.Tensor) -> TensorInfo:
