@@ -87,9 +87,12 @@ def _zero(stage: int):
 
 
 def _meta_model(make_model) -> nn.Module:
-    """The model on ``meta``: sharded strategies initialise only what each rank keeps."""
+    """The model on ``meta`` when it can initialise its tensors one by one (``init_parameter``,
+    [Note: per-parameter init]): sharded strategies then build only what each rank keeps.
+    Other models (``transformers``) are built normally and sharded at wrap time."""
     with torch.device("meta"):
-        return make_model()
+        model = make_model()
+    return model if hasattr(model, "init_parameter") else make_model()
 
 
 def _zero3(make_model, args, env):

@@ -25,8 +25,9 @@ import torch.nn.functional as F
 from tqdm import tqdm
 
 from example.data import TokenBatches, check_vocab, default_corpus_description, load_tokens
+from example.models import logits_of, model_names, model_spec
 from example.strategies import STRATEGIES, build_strategy
-from example.tokenizer import ByteTokenizer, get_tokenizer
+from example.tokenizer import get_tokenizer
 from tiny_fsdp.checkpoint import has_checkpoint, load_checkpoint, save_checkpoint
 from tiny_fsdp.core.utils.dist import DistEnv, init_distributed
 from tiny_fsdp.core.utils.failure import (
@@ -35,21 +36,12 @@ from tiny_fsdp.core.utils.failure import (
     fail_fast,
     nonfinite_ranks,
 )
-from tiny_fsdp.models.gpt2 import GPT2Model, GPTConfigs
-from tiny_fsdp.models.hf_gpt2 import hf_gpt2_config, hf_gpt2_to_ours, read_hf_state_dict
-
-
-def example_models() -> List[str]:
-    """The presets ``--model`` offers: those whose vocabulary covers the default data's byte
-    tokenizer (``gpt2_tiny``, with 67 entries, is for unit tests only)."""
-    return [
-        n for n in GPTConfigs.names() if GPTConfigs.get(n).vocab_size >= ByteTokenizer.vocab_size
-    ]
+from tiny_fsdp.models.hf_gpt2 import hf_gpt2_to_ours, read_hf_state_dict
 
 
 def build_arg_parser(strategy: str) -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=f"Train GPT-2 with the {strategy} strategy.")
-    p.add_argument("--model", default="gpt2", choices=example_models())
+    p.add_argument("--model", default="gpt2", choices=model_names())
     p.add_argument(
         "--init_from",
         default=None,
@@ -140,7 +132,7 @@ def mean_over_ranks(value: float, env: DistEnv) -> float:
 
 
 def lm_loss(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-    logits = model(x).float()  # (B, T, vocab); the softmax in fp32 also under --precision bf16
+    logits = logits_of(model(x)).float()  # (B, T, vocab); the softmax in fp32 also in bf16
     return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1))
 
 
@@ -172,15 +164,15 @@ def main(strategy: str, argv: Optional[List[str]] = None) -> List[float]:
     master = env.is_master
     torch.manual_seed(args.seed)
 
-    config = hf_gpt2_config(args.init_from) if args.init_from else GPTConfigs.get(args.model)
-    tokenizer = get_tokenizer(args.tokenizer, config.vocab_size)
+    spec = model_spec(args.model, args.init_from)
+    tokenizer = get_tokenizer(args.tokenizer, spec.vocab_size)
     tokens = load_tokens(args.data, tokenizer)
-    check_vocab(tokens, config.vocab_size, args.data or "the embedded corpus")
-    if args.seq_len > config.block_size:
-        raise ValueError(f"--seq_len {args.seq_len} exceeds block_size {config.block_size}")
+    check_vocab(tokens, spec.vocab_size, args.data or "the embedded corpus")
+    if args.seq_len > spec.block_size:
+        raise ValueError(f"--seq_len {args.seq_len} exceeds block_size {spec.block_size}")
     batches = TokenBatches(tokens, args.seq_len, args.seed, source=args.data or "embedded")
 
-    model, optimizer = build_strategy(strategy, lambda: GPT2Model(config), args, env)
+    model, optimizer = build_strategy(strategy, spec.make, args, env)
     if args.init_from:  # every strategy loads a plain-model state dict of full tensors
         model.load_state_dict(hf_gpt2_to_ours(read_hf_state_dict(args.init_from)))
     if args.grad_ckpt:
@@ -190,7 +182,7 @@ def main(strategy: str, argv: Optional[List[str]] = None) -> List[float]:
         print(
             f"{strategy} | {env.world_size} rank(s) on {env.device} | model "
             f"{args.init_from or args.model} "
-            f"({_count(config)} params) | "
+            f"({spec.num_parameters() / 1e6:.2f}M params) | "
             f"{tokens.numel():,} tokens ({tokenizer.name}) from {source}"
         )
 
@@ -266,12 +258,6 @@ def _maybe_resume(model, optimizer, args: argparse.Namespace, master: bool) -> i
     if master:
         print(f"resumed from {path} at step {info['step']} ({info['kind']} checkpoint)")
     return info["step"]
-
-
-def _count(config) -> str:
-    with torch.device("meta"):
-        n = GPT2Model(config).num_parameters()
-    return f"{n / 1e6:.2f}M"
 
 
 def _maybe_no_sync(model: torch.nn.Module, sync: bool):

@@ -20,8 +20,8 @@ import pytest
 import torch
 
 from example.tokenizer import GPT2_VOCAB_SIZE, ByteTokenizer, get_tokenizer
-from example.trainer import example_models, main
-from tiny_fsdp.models import GPT2Model, GPTConfigs
+from example.models import model_names, model_spec
+from example.trainer import main
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SHORT = ["--steps", "2", "--seq_len", "16", "--batch_size", "1", "--log_every", "1"]
@@ -31,28 +31,25 @@ STEP_LINE = re.compile(r"step\s+\d+ \| loss [0-9.]+ \|")
 RUN_MAX_PARAMS = 50_000_000
 
 
-def _num_params(name: str) -> int:
-    with torch.device("meta"):
-        return GPT2Model(GPTConfigs.get(name)).num_parameters()
-
-
 def test_examples_offer_only_presets_the_default_data_fits():
-    offered = example_models()
+    offered = model_names()
     assert "gpt2_tiny" not in offered  # vocabulary 67: a unit-test preset, not an example one
-    assert {"gpt2", "gpt2_medium", "gpt2_large", "gpt2_xl", "gpt2_bytes", "gpt2_mini"} <= set(
-        offered
-    )
+    gpt2 = {"gpt2", "gpt2_medium", "gpt2_large", "gpt2_xl", "gpt2_bytes", "gpt2_mini"}
+    assert gpt2 | {"hf:gpt2", "hf:llama"} == set(offered)
 
 
-@pytest.mark.parametrize("name", example_models())
+@pytest.mark.parametrize("name", model_names())
 def test_every_offered_preset_trains_on_the_default_data(name):
-    vocab = GPTConfigs.get(name).vocab_size
+    if name.startswith("hf:"):
+        pytest.importorskip("transformers")
+    spec = model_spec(name)
+    vocab = spec.vocab_size
     # "auto" never picks a tokenizer whose ids the model cannot embed, whatever is cached.
     assert get_tokenizer("auto", vocab).vocab_size <= vocab
     assert vocab >= ByteTokenizer.vocab_size
     if vocab < GPT2_VOCAB_SIZE:
         assert get_tokenizer("auto", vocab).name == "byte"
-    if _num_params(name) > RUN_MAX_PARAMS:
+    if spec.num_parameters() > RUN_MAX_PARAMS:
         return
     losses = main("single_device", ["--model", name, "--device", "cpu", "--lr", "1e-3", *SHORT])
     assert len(losses) == 2 and all(torch.isfinite(torch.tensor(losses)))
