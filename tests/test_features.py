@@ -95,7 +95,7 @@ def build(
     if strategy == "fsdp":
         from tiny_fsdp.core.fsdp import FSDP, FSDPAdamW
 
-        wrapped = FSDP(model, **kw)
+        wrapped = FSDP(model, unit="layer", **kw)  # figures below are per layer (default: block)
         return wrapped, FSDPAdamW(wrapped.named_parameters(), lr=LR)
     raise ValueError(strategy)
 

@@ -94,6 +94,7 @@ def _build(variant: str, world_size: int) -> Tuple[nn.Module, torch.optim.Optimi
             model,
             enable_async_communication=option == "async",
             reshard_after_forward=option != "keep",
+            unit="layer",  # the figures below are per layer (the default unit is per block)
         )
         return wrapped, FSDPAdamW(wrapped.named_parameters(), lr=1e-3)
     raise ValueError(variant)

@@ -162,7 +162,8 @@ def _memory(rank: int, world_size: int) -> None:
         base = make_model(0)
         if frozen:  # owned and broadcast like the others, but no gradient, no optimizer state
             _freeze(base)
-        model, opt = _wrap(base, world_size, "adamw", evenness)
+        # Without prefetch first (the default is on): one layer fetched at a time.
+        model, opt = _wrap(base, world_size, "adamw", evenness, enable_async_communication=False)
         parts = model.param_part_table
         owned = parts.rank_bytes[rank]
         params = list(model.module.parameters())  # the tied parameter once

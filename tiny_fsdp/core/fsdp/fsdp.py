@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from tiny_fsdp.core import comm
+from tiny_fsdp.core import comm, streams
 from tiny_fsdp.core.fsdp.handler import FSDPHandler
 from tiny_fsdp.core.fsdp.sharded_param import shard_info, shard_module
 from tiny_fsdp.core.fsdp.state import FSDPState
@@ -72,11 +72,11 @@ class FSDP(DataParallelWrapper):
         rank: Optional[int] = None,
         *,
         reshard_after_forward: bool = True,
-        enable_async_communication: bool = False,
+        enable_async_communication: bool = True,
         prefetch_limit: int = 1,
         sync_module_states: bool = True,
         device: Optional[torch.device] = None,
-        unit: Union[str, Iterable[nn.Module]] = "layer",
+        unit: Union[str, Iterable[nn.Module]] = "auto",
         mixed_precision: Optional[MixedPrecisionPolicy] = None,
     ) -> None:
         require_process_group(type(self).__name__)
@@ -88,6 +88,8 @@ class FSDP(DataParallelWrapper):
         check_no_shared_storage(self.module, "FSDP")
         check_same_model_on_all_ranks(self.module, "FSDP")
         shard_module(self.module, rank, world_size, device, sync_module_states)
+        shard_device = next((p.device for p in self.module.parameters()), torch.device("cpu"))
+        self._state.use_streams(streams.streams_for(shard_device))
         per_tensor = isinstance(unit, str) and unit == "tensor"
         for name, layers in unit_layers(self.module, unit):
             gather_unit = GatherUnit(name, layers, self._state, per_tensor)
@@ -130,17 +132,22 @@ class FSDP(DataParallelWrapper):
 
     # ---------------------------------------------------------------- memory
     def memory_stats(self) -> Dict[str, int]:
-        """Bytes this rank holds: shards, and gathered units and no_sync accumulation buffers."""
-        state = self._state
+        """Bytes this rank holds: shards, gathered units, no_sync accumulation buffers and
+        reduction buffers in flight ([Note: asynchronous reduction])."""
+        state, reduce = self._state, self._state.reductions.stats
         return {
             "shard_bytes": sum(_nbytes(p) for p in self.module.parameters()),
             "gathered_bytes": state.gathered_bytes,
             "peak_gathered_bytes": state.peak_gathered_bytes,
             "accumulated_grad_bytes": state.accumulated_bytes,
+            "reduce_bytes": reduce.live_bytes,
+            "peak_reduce_bytes": reduce.peak_bytes,
         }
 
     def reset_peak_memory_stats(self) -> None:
         self._state.peak_gathered_bytes = self._state.gathered_bytes
+        reduce = self._state.reductions.stats
+        reduce.peak_bytes = reduce.live_bytes
 
     # ---------------------------------------------------------------- checkpoints
     def state_dict(

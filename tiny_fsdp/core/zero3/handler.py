@@ -34,7 +34,7 @@ with and without prefetching: the same tensors are broadcast and the same math r
 
 import weakref
 from dataclasses import dataclass, field
-from typing import Dict, List, Optional
+from typing import Any, Dict, List, Optional
 
 import torch
 from torch import nn
@@ -45,6 +45,8 @@ from tiny_fsdp.core.module.handler import Params, TrainingPhase
 from tiny_fsdp.core.optim.base import STRATEGY_OF_PARAM
 from tiny_fsdp.core.precision import MixedPrecisionPolicy
 from tiny_fsdp.core.prefetch import Prefetcher
+from tiny_fsdp.core.reductions import PendingReductions
+from tiny_fsdp.core.streams import GATHER, CommHandle, CommStreams
 
 ATTR = "_tiny_fsdp_zero3"  # name of the TensorInfo attribute put on each managed Parameter
 STRATEGY_OF_PARAM.append(lambda p: "Zero3" if hasattr(p, ATTR) else None)  # plain optimizers
@@ -80,16 +82,11 @@ class FetchStats:
 
 @dataclass
 class PendingBroadcast:
-    """One layer's full parameters, possibly still arriving (``works`` not yet waited)."""
+    """One layer's full parameters, possibly still arriving (``handle`` not yet waited)."""
 
     full: Params
-    works: list
+    handle: CommHandle  # the layer's broadcasts ([Note: communication streams])
     nbytes: int  # bytes of the received (non-owned) buffers
-
-    def wait(self) -> None:
-        for work in self.works:
-            work.wait()
-        self.works = []
 
 
 class Zero3Runtime(Prefetcher):
@@ -109,9 +106,22 @@ class Zero3Runtime(Prefetcher):
         self.stats = FetchStats()
         self.sync_grads = True  # set per pass from require_backward_grad_sync
         self.accumulated: Dict[int, torch.Tensor] = {}  # id(param) -> no_sync gradient sum
+        self.streams = CommStreams()  # replaced by ``use_streams`` once the device is known
+        self.reductions = PendingReductions(self.streams)  # [Note: asynchronous reduction]
 
-    def reduce_grad(self, param: nn.Parameter, grad: torch.Tensor) -> Optional[torch.Tensor]:
-        """Full ``grad`` of ``param`` -> the owner's share of the average; None elsewhere."""
+    def use_streams(self, streams: CommStreams) -> None:
+        """Issue broadcasts and reductions through ``streams`` ([Note: communication streams])."""
+        self.streams = streams
+        self.reductions.streams = streams
+
+    def pre_forward(self, prefetch: bool, grad_enabled: bool) -> None:
+        self.reductions.abandon()  # only a backward that raised leaves any
+        super().pre_forward(prefetch, grad_enabled)
+
+    def reduce_grad(self, param: nn.Parameter, grad: torch.Tensor) -> None:
+        """Launch the reduce of the full ``grad`` of ``param`` to its owner, whose ``.grad``
+        receives the average at the end of the backward; under no_sync, add it to the local sum.
+        """
         owner = getattr(param, ATTR).owner
         if not self.sync_grads:
             total = self.accumulated.get(id(param))
@@ -119,21 +129,27 @@ class Zero3Runtime(Prefetcher):
                 self.accumulated[id(param)] = grad.to(param.dtype, copy=True)
             else:
                 total.add_(grad)
-            return None
+            return
         accumulated = self.accumulated.pop(id(param), None)
         if accumulated is not None:
             grad = accumulated.add_(grad)
         reduce_dtype = grad.dtype if self.policy is None else self.policy.reduce_dtype
         if self.world_size == 1:
-            return grad.to(reduce_dtype)
+            total = grad.to(reduce_dtype)
+            self.reductions.launch(_no_collective, (), [(param, total)], self.async_comm)
+            return
         # Pre-divide, then SUM: an average on every backend. Out of place unless the tensor is
         # our own buffer: the callback's gradient may share storage with something else.
         if accumulated is not None and grad.dtype == reduce_dtype:
             total = grad.div_(self.world_size)
         else:
             total = grad.to(reduce_dtype) / self.world_size
-        comm.reduce(total, dst=owner)
-        return total if owner == self.rank else None
+
+        def launch(async_op: bool) -> Any:
+            return comm.reduce(total, dst=owner, async_op=async_op)
+
+        parts = [(param, total)] if owner == self.rank else []
+        self.reductions.launch(launch, (total,), parts, self.async_comm)
 
     @torch.no_grad()
     def gather_full(self, param: nn.Parameter) -> torch.Tensor:
@@ -179,7 +195,7 @@ class Zero3Handler(ParamHandler):
         """Issue this layer's broadcasts; the result is valid after ``wait_for_unshard``."""
         rt = self.runtime
         full_params: List[Optional[torch.Tensor]] = []
-        works, nbytes = [], 0
+        broadcasts, nbytes = [], 0
         for name in self.module.param_names:
             local = getattr(self.module, name)
             if local is None:  # absent bias
@@ -197,20 +213,23 @@ class Zero3Handler(ParamHandler):
                 rt.stats.add(full)
                 nbytes += full.numel() * full.element_size()
             if rt.world_size > 1:
-                work = comm.broadcast(full, src=info.owner, async_op=async_op)
-                if work is not None:
-                    works.append(work)
+                broadcasts.append((full, info.owner))
             full_params.append(full)
-        return PendingBroadcast(tuple(full_params), works, nbytes)
+
+        def launch(async_op: bool) -> List[Any]:
+            return [comm.broadcast(t, src=src, async_op=async_op) for t, src in broadcasts]
+
+        handle = rt.streams.issue(GATHER, launch, async_op)
+        return PendingBroadcast(tuple(full_params), handle, nbytes)
 
     def wait_for_unshard(self, pending: PendingBroadcast) -> None:
         """Wait for the broadcasts; ``fetch`` hands out their buffers until ``reshard``."""
-        pending.wait()
+        self.runtime.streams.wait(pending.handle)
         self._in_use.append(pending)
 
     def discard(self, pending: PendingBroadcast) -> None:
         """Forget a prefetch that will not be used, once its broadcasts have finished."""
-        pending.wait()
+        self.runtime.streams.wait(pending.handle)
         self.runtime.stats.live_bytes -= pending.nbytes
 
     def reshard(self) -> None:
@@ -219,11 +238,14 @@ class Zero3Handler(ParamHandler):
             self.runtime.stats.live_bytes -= self._in_use.pop().nbytes
 
     def reduce_grads(self, module: nn.Module, grads: Params) -> Params:
-        out: List[Optional[torch.Tensor]] = []
+        """Launch the reduces of this layer's gradients; delivered at the end of the backward."""
         for name, grad in zip(module.param_names, grads):
             local = getattr(module, name)
-            if local is None or grad is None:  # absent or frozen: the same on every rank
-                out.append(None)
-            else:
-                out.append(self.runtime.reduce_grad(local, grad))
-        return tuple(out)
+            if local is not None and grad is not None:  # absent / frozen: alike on every rank
+                self.runtime.reduce_grad(local, grad)
+        return (None,) * len(grads)  # [Note: asynchronous reduction]
+
+
+def _no_collective(async_op: bool) -> None:
+    """One rank: the reduction is the identity."""
+    return None

@@ -26,9 +26,10 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.modules.module import _IncompatibleKeys
 
-from tiny_fsdp.core import comm
+from tiny_fsdp.core import comm, streams
 from tiny_fsdp.core.module import CallbackModule
 from tiny_fsdp.core.precision import MixedPrecisionPolicy
+from tiny_fsdp.core.reductions import ReduceStats
 from tiny_fsdp.core.wrapper import DataParallelWrapper, check_no_shared_storage
 from tiny_fsdp.core.zero3.handler import ATTR, FetchStats, TensorInfo, Zero3Handler, Zero3Runtime
 
@@ -60,7 +61,7 @@ class Zero3(DataParallelWrapper):
         self,
         module: nn.Module,
         param_part_table: Mapping[str, int],
-        enable_async_communication: bool = False,
+        enable_async_communication: bool = True,
         *,
         prefetch_limit: int = 2,
         sync_module_states: bool = False,
@@ -92,6 +93,7 @@ class Zero3(DataParallelWrapper):
         self.param_part_table = param_part_table
         self.device = _choose_device(param_part_table, named, rank)  # move inputs here
         self._materialize(named, self.device, sync_module_states)
+        self._runtime.use_streams(streams.streams_for(self.device))
         for layer in self.module.modules():
             if isinstance(layer, CallbackModule):
                 Zero3Handler(self._runtime).attach(layer)
@@ -100,6 +102,12 @@ class Zero3(DataParallelWrapper):
     def fetch_stats(self) -> FetchStats:
         """Bytes of fetched, non-owned parameter buffers on this rank (live and peak)."""
         return self._runtime.stats
+
+    @property
+    def reduce_stats(self) -> ReduceStats:
+        """Bytes of gradient reduction buffers in flight on this rank ([Note: asynchronous
+        reduction]): live, peak, and the largest reduction's input."""
+        return self._runtime.reductions.stats
 
     @property
     def prefetch_limit(self) -> int:
