@@ -106,14 +106,10 @@ def _fsdp(make_model, args, env):
 
     meta = _meta_model(make_model)
     decay = decayed_names(meta)
-    # One gather unit per transformer block (plus the root's embedding / head / final norm):
-    # measured faster than per layer on 2 CPU ranks (fewer, larger collectives; README).
+    # The library's default unit ("auto"): one gather unit per transformer block, plus the root
+    # (embedding / head / final norm); [Note: gather units] says why.
     model = FSDP(
-        meta,
-        enable_async_communication=args.async_comm,
-        device=env.device,
-        unit=list(meta.transformer.h),
-        **_precision(args),
+        meta, enable_async_communication=args.async_comm, device=env.device, **_precision(args)
     )
     return model, _optimizer(FSDPAdamW, FSDPSGD, model.named_parameters(), decay, args)
 

@@ -7,12 +7,15 @@ module's ``nn.Parameter`` object is kept with the shard as its data, so tying su
 optimizers see shards. The layers are grouped into gather units (one per layer by default,
 [Note: gather units]) and every layer gets an ``FSDPHandler`` ([Note: FSDP layer handler]):
 a unit is all-gathered just before its first layer computes and freed after its last one, in
-forward and again in backward, and each layer reduce-scatters the averaged gradient of its
-parameters into ``shard.grad``. Between steps a rank holds only shards: parameters, gradients
+forward and again in backward, and each layer launches the reduce-scatter of the averaged
+gradient of its parameters, delivered into ``shard.grad`` when the backward ends ([Note:
+asynchronous reduction]). Between steps a rank holds only shards: parameters, gradients
 and optimizer state are each 1/N of the model (plus padding).
 
-The tied GPT-2 weight stays one Parameter with one shard: ``wte`` and ``lm_head`` each gather it
-and each reduce-scatter their own part of its gradient, which autograd sums into ``.grad``.
+The tied GPT-2 weight stays one Parameter with one shard: with per-layer units ``wte`` and
+``lm_head`` each gather it and each reduce-scatter their own part of its gradient, summed into
+``.grad``; in one unit (the default layout) it is gathered and reduced once ([Note: tied
+reduction]).
 """
 
 from collections import OrderedDict
@@ -51,15 +54,19 @@ class FSDP(DataParallelWrapper):
         world_size, rank: default to the default process group's; if given they must match it.
         reshard_after_forward: free full parameters after each layer's forward (default) or
             keep them until its backward (less communication, more memory).
-        enable_async_communication: prefetch the next units' all-gathers ([Note: prefetch]);
-            also settable as an attribute (read at each forward). Results are bitwise the same.
+        enable_async_communication: prefetch the next units' all-gathers ([Note: prefetch]) and
+            leave gradient reduce-scatters in flight while backward goes on ([Note:
+            asynchronous reduction]); on by default, also settable as an attribute (read at each
+            forward). Results are bitwise the same on and off.
         prefetch_limit: at most this many prefetched gathers unconsumed at once (>= 1).
         sync_module_states: broadcast every full tensor from rank 0 before sharding it.
         device: where to materialise ``meta`` tensors (default: the current CUDA device with
             NCCL, else CPU) and where shards live (default: each parameter's device).
-        unit: what is all-gathered together: ``"layer"``, ``"tensor"``, or a list of modules
-            (e.g. the transformer blocks; the other layers form a root unit). Gradients are
-            reduce-scattered per layer (per tensor with ``"tensor"``). [Note: gather units]
+        unit: what is all-gathered together: ``"auto"`` (default: the model's repeated blocks,
+            found in its largest ``nn.ModuleList``, else per layer), ``"layer"``, ``"tensor"``,
+            or a list of modules (e.g. the transformer blocks; the other layers form a root
+            unit). Gradients are reduce-scattered per layer (per tensor with ``"tensor"``).
+            [Note: gather units]
         mixed_precision: shards are cast to ``param_dtype`` before each all-gather (half the
             gathered bytes with bf16) and gradients reduce-scattered in ``reduce_dtype``; the
             shards, their ``.grad`` and the optimizer state stay fp32 ([Note: mixed precision]).

@@ -8,10 +8,11 @@ shards]).
   which unshards the unit before its first layer computes and reshards it after its last one.
 - ``reduce_grads``: lay the layer's full gradients out as every rank's padded shard (a
   (world_size, numel) rank-major buffer), divide by world_size and reduce-scatter: a SUM of
-  pre-divided gradients is the average, on any backend. Slices of the result are the shard
-  gradients that autograd accumulates into ``param.grad`` (so a tied weight gets the sum of its
-  layers' parts). Under ``no_sync`` the padded full gradients are summed into a per-layer
-  buffer instead, and the next synchronised backward reduces the total.
+  pre-divided gradients is the average, on any backend. The reduce-scatter is launched, not
+  waited for; slices of its output are the shard gradients, accumulated into ``param.grad`` at
+  the end of the backward (a tied weight gets the sum of its layers' parts) and ``None`` is
+  returned ([Note: asynchronous reduction]). Under ``no_sync`` the padded full gradients are
+  summed into a per-layer buffer instead, and the next synchronised backward reduces the total.
 
 Mixed precision: a synchronised backward lays the gradients out directly in the policy's
 ``reduce_dtype``; ``no_sync`` sums are kept in the parameters' dtype (fp32, like ``.grad``) and

@@ -2,9 +2,13 @@
 
 [Note: gather units]
 The unit of communication decides how many collectives a step issues and how much is gathered
-at once. ``FSDP(unit=...)`` offers three:
+at once. ``FSDP(unit=...)`` offers four:
 
-- ``"layer"`` (default): each wrapped layer is a unit; its flat shards are concatenated into one
+- ``"auto"`` (default): the children of the model's largest ``nn.ModuleList`` of same-type
+  modules (a transformer's blocks; "largest" by parameter elements) become units, the other
+  layers the root unit, as with a list of modules below; a model without such a list gets
+  ``"layer"``. The user names nothing.
+- ``"layer"``: each wrapped layer is a unit; its flat shards are concatenated into one
   all-gather per fetch.
 - ``"tensor"``: like ``"layer"``, but one all-gather per tensor (no concatenation / copy-out).
 - a list of modules (e.g. the transformer blocks): all layers inside one listed module form a
@@ -14,8 +18,8 @@ A unit is unsharded (all-gathered) when the first of its layers fetches and stay
 every one of its layers has released it in that pass, then resharded ([Note: glossary]); a
 parameter that appears in several of its layers (a tied weight) is gathered once, and its
 gradient reduced once ([Note: tied reduction]). Other gradients are reduce-scattered per layer
-(``handler.py``), because a layer's backward must hand its shard gradients to autograd before it
-returns.
+(``handler.py``), launched as soon as the layer's backward has them and delivered at the end of
+the backward ([Note: asynchronous reduction]).
 
 A single-tensor collective yields the full tensor as a view of the gathered buffer; a
 multi-tensor one is laid out rank-major (rank r's shards of every tensor, then rank r+1's), so
@@ -29,8 +33,8 @@ so what counts is the number of collectives and the bytes moved: per block issue
 and, with the tied weight in one unit, gathers and reduces GPT-2's 51 MB embedding once a step
 instead of three and two times. Its price is memory: the root unit (the embedding) stays
 gathered for the whole step, as in FSDP2, and a block is gathered at once instead of a layer.
-``"layer"`` stays the default because it needs no knowledge of the model and gathers the least
-at a time; pass the blocks for speed.
+Hence ``"auto"`` is the default: it finds the blocks itself, so the fast layout needs no
+knowledge of the model from the user; ``"layer"`` gathers the least at a time (less memory).
 """
 
 from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple, Union

@@ -11,9 +11,10 @@ full shape is kept in ``param._tiny_fsdp_zero3`` (a ``TensorInfo``). Each layer 
   layer is never kept full between uses (``is_unsharded`` is always False).
 - ``release``: ``reshard``: the buffers are dropped. Nothing else holds them (the layer
   callbacks save inputs, never weights), so they are freed; ``Zero3Runtime.stats`` counts them.
-- ``reduce_grads``: each rank divides its full gradient by N and SUM-reduces it to the owner,
-  which returns it to autograd (accumulated into ``param.grad``); the others return None. A
-  tied parameter is fetched and reduced by both of its layers; autograd sums the two parts.
+- ``reduce_grads``: each rank divides its full gradient by N and launches its SUM-reduce to the
+  owner; every rank returns None, and at the end of the backward the owner accumulates the
+  result into ``param.grad`` ([Note: asynchronous reduction]). A tied parameter is fetched and
+  reduced by both of its layers; the two parts are summed there.
 
 Under ``no_sync()`` every rank (owner included, so the owner's part is divided by N exactly
 once) adds its gradient to a full-size buffer kept here per parameter, and returns None; the next
@@ -22,7 +23,7 @@ touched in ``no_sync``, on every rank, i.e. the whole model's gradients, as in D
 
 Mixed precision ([Note: mixed precision]): the owner broadcasts a ``param_dtype`` copy of its
 fp32 tensor (received buffers are ``param_dtype``: half the bytes with bf16), the gradient is
-reduced in ``reduce_dtype`` and autograd accumulates the owner's result into the fp32
+reduced in ``reduce_dtype`` and the owner's result is accumulated into the fp32
 ``param.grad``. The ``no_sync`` buffer is kept in the parameter's dtype (fp32), like ``.grad``.
 
 Prefetch ([Note: prefetch]): with async communication on, a fetch issues the broadcasts of the

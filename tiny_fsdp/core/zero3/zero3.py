@@ -45,9 +45,10 @@ class Zero3(DataParallelWrapper):
         param_part_table: name -> owner rank for every ``module.named_parameters()`` name, as
             returned by ``zero3_partition_tensors``; its ``ranks_map`` device (if given) is
             where this rank's tensors live.
-        enable_async_communication: prefetch the next layers' broadcasts ([Note: prefetch]);
-            also settable as an attribute (read at each forward). Results are bitwise identical
-            on and off.
+        enable_async_communication: prefetch the next layers' broadcasts ([Note: prefetch]) and
+            leave gradient reduces in flight while backward goes on ([Note: asynchronous
+            reduction]); on by default, also settable as an attribute (read at each forward).
+            Results are bitwise identical on and off.
         prefetch_limit: at most this many prefetched layers unconsumed at once (>= 1).
         prefetch_depth: deprecated name of ``prefetch_limit``.
         sync_module_states: broadcast every tensor from rank 0 first (normal models only), so
