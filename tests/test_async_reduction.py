@@ -20,6 +20,7 @@ from tiny_fsdp.core.fsdp import FSDP, FSDPAdamW
 from tiny_fsdp.core.fsdp.unit import unit_layers
 from tiny_fsdp.core.memory import memory_ledger
 from tiny_fsdp.core.module import convert_module
+from tiny_fsdp.core.reductions import PendingReductions
 from tiny_fsdp.core.streams import CommStreams, CudaStreams
 from tiny_fsdp.core.zero3 import Zero3, Zero3AdamW, zero3_partition_tensors
 
@@ -259,3 +260,54 @@ def test_auto_unit_picks_the_repeated_blocks_else_every_layer() -> None:
     assert [n for n, _ in unit_layers(mixed, "auto")] == ["small.0", "small.1", "<root>"]
     flat = convert_module(nn.Sequential(nn.Linear(2, 3), nn.Linear(3, 1)))
     assert [n for n, _ in unit_layers(flat, "auto")] == ["0", "1"]
+
+
+# ------------------------------------------------------------------------- PendingReductions
+
+
+class _SlowWork:
+    """A work that is never done until waited for."""
+
+    def __init__(self, log: List[str], name: str) -> None:
+        self.log, self.name = log, name
+
+    def is_completed(self) -> bool:
+        return False
+
+    def wait(self) -> None:
+        self.log.append(self.name)
+
+
+def test_finalize_sums_a_backwards_parts_then_accumulates_like_autograd() -> None:
+    """Parts of one parameter are summed in launch order, then added to the existing .grad;
+    at most ``in_flight_limit`` reductions are unretired (the oldest is waited for first)."""
+    param = nn.Parameter(torch.zeros(3))
+    param.grad = torch.full((3,), 0.1)
+    parts = [torch.tensor([1e8, 1.0, 2.0]), torch.tensor([-1e8, 3.0, 4.0]), torch.ones(3)]
+    waited: List[str] = []
+    reductions = PendingReductions(CommStreams(), in_flight_limit=2)
+
+    class Launcher(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
+            return x.clone()
+
+        @staticmethod
+        def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
+            for i, part in enumerate(parts):
+                reductions.launch(
+                    lambda async_op, i=i: _SlowWork(waited, f"r{i}"),
+                    [part.clone()],
+                    [(param, part)],
+                    async_op=True,
+                )
+                assert reductions.stats.peak_in_flight <= 2
+                assert torch.equal(param.grad, torch.full((3,), 0.1))  # not delivered yet
+            return grad
+
+    x = torch.ones(3, requires_grad=True)
+    Launcher.apply(x).sum().backward()
+    assert waited == ["r0", "r1", "r2"]  # r0 when r2 launched, then the rest at finalize
+    expected = torch.full((3,), 0.1) + ((parts[0] + parts[1]) + parts[2])
+    assert torch.equal(param.grad, expected)
+    assert reductions.stats.live_bytes == 0 and reductions.stats.peak_in_flight == 2

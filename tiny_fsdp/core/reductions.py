@@ -30,7 +30,10 @@ retired, and its *output* (this rank's part) until ``finalize`` delivers it. At 
     reduce_bytes <= in_flight_limit * (largest reduction input)
                     + outputs launched in this backward (<= the local gradients, reduce dtype)
 
-and ``peak_reduce_bytes`` counts it (``FSDP.memory_stats()``, ``Zero3.reduce_stats``). The
+and ``peak_reduce_bytes`` counts it (``FSDP.memory_stats()``, ``Zero3.reduce_stats``).
+``in_flight_limit`` is 2: one reduction travelling and the next queued behind it, so the process
+group never idles for want of work, and waiting for the oldest stalls the backward only when
+communication is the bottleneck anyway. The
 outputs are not extra memory when ``.grad`` is None (the output becomes ``.grad``, no copy), as
 before; when gradients accumulate onto an existing ``.grad`` they live until ``finalize`` instead
 of being added at once. Synchronous reduction (the old path) kept one input at a time, so the

@@ -119,38 +119,42 @@ class Zero3Runtime(Prefetcher):
         self.reductions.abandon()  # only a backward that raised leaves any
         super().pre_forward(prefetch, grad_enabled)
 
-    def reduce_grad(self, param: nn.Parameter, grad: torch.Tensor) -> None:
-        """Launch the reduce of the full ``grad`` of ``param`` to its owner, whose ``.grad``
-        receives the average at the end of the backward; under no_sync, add it to the local sum.
-        """
-        owner = getattr(param, ATTR).owner
+    def prepare_reduce(self, param: nn.Parameter, grad: torch.Tensor) -> Optional[torch.Tensor]:
+        """The tensor to SUM-reduce to the owner of ``param`` for its full ``grad`` (the
+        average's share), or None under no_sync, where ``grad`` is added to the local sum."""
         if not self.sync_grads:
             total = self.accumulated.get(id(param))
             if total is None:  # in the parameter's dtype: fp32 under mixed precision, as .grad
                 self.accumulated[id(param)] = grad.to(param.dtype, copy=True)
             else:
                 total.add_(grad)
-            return
+            return None
         accumulated = self.accumulated.pop(id(param), None)
         if accumulated is not None:
             grad = accumulated.add_(grad)
         reduce_dtype = grad.dtype if self.policy is None else self.policy.reduce_dtype
         if self.world_size == 1:
-            total = grad.to(reduce_dtype)
-            self.reductions.launch(_no_collective, (), [(param, total)], self.async_comm)
-            return
+            return grad.to(reduce_dtype)
         # Pre-divide, then SUM: an average on every backend. Out of place unless the tensor is
         # our own buffer: the callback's gradient may share storage with something else.
         if accumulated is not None and grad.dtype == reduce_dtype:
-            total = grad.div_(self.world_size)
-        else:
-            total = grad.to(reduce_dtype) / self.world_size
+            return grad.div_(self.world_size)
+        return grad.to(reduce_dtype) / self.world_size
 
-        def launch(async_op: bool) -> Any:
-            return comm.reduce(total, dst=owner, async_op=async_op)
+    def launch_reduces(self, params: List[nn.Parameter], totals: List[torch.Tensor]) -> None:
+        """One layer's reduces, one per tensor, in order; the owners' ``.grad`` receive them at
+        the end of the backward ([Note: asynchronous reduction])."""
+        owners = [getattr(p, ATTR).owner for p in params]
+        parts = [(p, t) for p, t, owner in zip(params, totals, owners) if owner == self.rank]
 
-        parts = [(param, total)] if owner == self.rank else []
-        self.reductions.launch(launch, (total,), parts, self.async_comm)
+        def launch(async_op: bool) -> List[Any]:
+            if self.world_size == 1:
+                return []  # one rank: the reduction is the identity
+            return [
+                comm.reduce(t, dst=owner, async_op=async_op) for t, owner in zip(totals, owners)
+            ]
+
+        self.reductions.launch(launch, totals, parts, self.async_comm)
 
     @torch.no_grad()
     def gather_full(self, param: nn.Parameter) -> torch.Tensor:
@@ -240,13 +244,15 @@ class Zero3Handler(ParamHandler):
 
     def reduce_grads(self, module: nn.Module, grads: Params) -> Params:
         """Launch the reduces of this layer's gradients; delivered at the end of the backward."""
+        params, totals = [], []
         for name, grad in zip(module.param_names, grads):
             local = getattr(module, name)
-            if local is not None and grad is not None:  # absent / frozen: alike on every rank
-                self.runtime.reduce_grad(local, grad)
+            if local is None or grad is None:  # absent / frozen: alike on every rank
+                continue
+            total = self.runtime.prepare_reduce(local, grad)
+            if total is not None:
+                params.append(local)
+                totals.append(total)
+        if params:
+            self.runtime.launch_reduces(params, totals)
         return (None,) * len(grads)  # [Note: asynchronous reduction]
-
-
-def _no_collective(async_op: bool) -> None:
-    """One rank: the reduction is the identity."""
-    return None
