@@ -114,12 +114,11 @@ def _fsdp(make_model, args, env):
 
     meta = _meta_model(make_model)
     decay = decayed_names(meta)
-    # One gather unit per transformer block (plus the root's embedding / head / final norm):
-    # measured faster than per layer on 2 CPU ranks (fewer, larger collectives; README).
+    # The library's default unit ("auto"): one gather unit per transformer block, plus the root
+    # (embedding / head / final norm); [Note: gather units] says why.
     model = FSDP(
         meta,
         device=env.device,
-        unit=list(meta.transformer.h),
         **_comm(args),
         **_precision(args),
     )

@@ -301,6 +301,7 @@ def _memory(rank: int, world_size: int) -> Dict[str, int]:
             reshard_after_forward=reshard,
             enable_async_communication=async_on,
             prefetch_limit=limit,
+            unit="layer",  # the windows below are counted in layers (the default is per block)
         )
         handlers = [m.param_handler for m in fsdp.module.modules() if isinstance(m, CallbackModule)]
         # Every full tensor a fetch hands out must be gone once the step is over.
@@ -614,7 +615,8 @@ def test_state_dict_is_full_and_round_trips() -> None:
 def _prefetch(rank: int, world_size: int) -> Dict[str, int]:
     hits = {}
     for async_on in (False, True):
-        fsdp = FSDP(make_model(0, CFG), enable_async_communication=async_on)
+        # Counted in layers below (the default unit is per block).
+        fsdp = FSDP(make_model(0, CFG), enable_async_communication=async_on, unit="layer")
         state = fsdp._state
         take = state.take_prefetched
         counter = [0]

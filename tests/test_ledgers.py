@@ -79,7 +79,9 @@ def _build(variant: str, world_size: int) -> Tuple[nn.Module, torch.optim.Optimi
         kw = dict(parts=_parts(world_size), enable_async_communication=option == "async")
     elif name == "fsdp":
         kw = dict(
-            enable_async_communication=option == "async", reshard_after_forward=option != "keep"
+            enable_async_communication=option == "async",
+            reshard_after_forward=option != "keep",
+            unit="layer",  # the figures below are per layer (the default unit is per block)
         )
     else:
         raise ValueError(variant)

@@ -149,7 +149,10 @@ def _memory(rank: int, world_size: int) -> None:
         base = make_model(0)
         if frozen:  # owned and broadcast like the others, but no gradient, no optimizer state
             _freeze(base)
-        model, opt = build("zero3", base, OPTIMIZERS["adamw"], evenness=evenness)
+        # Without prefetch first (the default is on): one layer fetched at a time.
+        model, opt = build(
+            "zero3", base, OPTIMIZERS["adamw"], evenness=evenness, enable_async_communication=False
+        )
         parts = model.param_part_table
         owned = parts.rank_bytes[rank]
         params = list(model.module.parameters())  # the tied parameter once

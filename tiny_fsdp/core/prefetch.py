@@ -115,6 +115,11 @@ class Prefetcher:
         if self._backward_guessed and self._grad_forward:
             self._recording[BACKWARD] = []
 
+    @property
+    def async_comm(self) -> bool:
+        """The wrapper's async switch as read at the last forward: prefetch, async reductions."""
+        return self._prefetch
+
     def drain(self) -> None:
         """Wait for and discard every prefetched unshard not consumed yet."""
         for unit, pending in self._pending.items():

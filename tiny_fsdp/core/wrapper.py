@@ -8,7 +8,7 @@ calls to it, and exposes the switches users know from PyTorch DDP / FSDP:
   False, backward accumulates gradients locally and communicates nothing; the next synchronised
   backward reduces the accumulated total.
 - ``enable_async_communication`` (bool): overlap communication with computation (prefetch /
-  asynchronous reductions). Results are identical on and off.
+  asynchronous reductions; FSDP and ZeRO-3 default to on). Results are identical on and off.
 - ``gradient_checkpointing`` (bool): recompute each block in backward (forwarded to the model).
 - ``mixed_precision`` (``MixedPrecisionPolicy`` or None): layers compute in the policy's dtype,
   parameters stay fp32 masters ([Note: mixed precision], [Note: DDP mixed precision]); floating

@@ -7,12 +7,15 @@ module's ``nn.Parameter`` object is kept with the shard as its data, so tying su
 optimizers see shards. The layers are grouped into gather units (one per layer by default,
 [Note: gather units]) and every layer gets an ``FSDPHandler`` ([Note: FSDP layer handler]):
 a unit is all-gathered just before its first layer computes and freed after its last one, in
-forward and again in backward, and each layer reduce-scatters the averaged gradient of its
-parameters into ``shard.grad``. Between steps a rank holds only shards: parameters, gradients
+forward and again in backward, and each layer launches the reduce-scatter of the averaged
+gradient of its parameters, delivered into ``shard.grad`` when the backward ends ([Note:
+asynchronous reduction]). Between steps a rank holds only shards: parameters, gradients
 and optimizer state are each 1/N of the model (plus padding).
 
-The tied GPT-2 weight stays one Parameter with one shard: ``wte`` and ``lm_head`` each gather it
-and each reduce-scatter their own part of its gradient, which autograd sums into ``.grad``.
+The tied GPT-2 weight stays one Parameter with one shard: with per-layer units ``wte`` and
+``lm_head`` each gather it and each reduce-scatter their own part of its gradient, summed into
+``.grad``; in one unit (the default layout) it is gathered and reduced once ([Note: tied
+reduction]).
 """
 
 from typing import Any, Dict, Iterable, List, Optional, Tuple, Union
@@ -21,7 +24,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from tiny_fsdp.core import comm
+from tiny_fsdp.core import comm, streams
 from tiny_fsdp.core.fsdp.handler import FSDPHandler
 from tiny_fsdp.core.fsdp.sharded_param import shard_info, shard_module
 from tiny_fsdp.core.fsdp.state import FSDPState
@@ -45,15 +48,19 @@ class FSDP(DataParallelWrapper):
         world_size, rank: default to the default process group's; if given they must match it.
         reshard_after_forward: free full parameters after each layer's forward (default) or
             keep them until its backward (less communication, more memory).
-        enable_async_communication: prefetch the next units' all-gathers ([Note: prefetch]);
-            also settable as an attribute (read at each forward). Results are bitwise the same.
+        enable_async_communication: prefetch the next units' all-gathers ([Note: prefetch]) and
+            leave gradient reduce-scatters in flight while backward goes on ([Note:
+            asynchronous reduction]); on by default, also settable as an attribute (read at each
+            forward). Results are bitwise the same on and off.
         prefetch_limit: at most this many prefetched gathers unconsumed at once (>= 1).
         sync_module_states: broadcast every full tensor from rank 0 before sharding it.
         device: where to materialise ``meta`` tensors (default: the current CUDA device with
             NCCL, else CPU) and where shards live (default: each parameter's device).
-        unit: what is all-gathered together: ``"layer"``, ``"tensor"``, or a list of modules
-            (e.g. the transformer blocks; the other layers form a root unit). Gradients are
-            reduce-scattered per layer (per tensor with ``"tensor"``). [Note: gather units]
+        unit: what is all-gathered together: ``"auto"`` (default: the model's repeated blocks,
+            found in its largest ``nn.ModuleList``, else per layer), ``"layer"``, ``"tensor"``,
+            or a list of modules (e.g. the transformer blocks; the other layers form a root
+            unit). Gradients are reduce-scattered per layer (per tensor with ``"tensor"``).
+            [Note: gather units]
         mixed_precision: shards are cast to ``param_dtype`` before each all-gather (half the
             gathered bytes with bf16) and gradients reduce-scattered in ``reduce_dtype``; the
             shards, their ``.grad`` and the optimizer state stay fp32 ([Note: mixed precision]).
@@ -71,11 +78,11 @@ class FSDP(DataParallelWrapper):
         rank: Optional[int] = None,
         *,
         reshard_after_forward: bool = True,
-        enable_async_communication: bool = False,
+        enable_async_communication: bool = True,
         prefetch_limit: int = 1,
         sync_module_states: bool = True,
         device: Optional[torch.device] = None,
-        unit: Union[str, Iterable[nn.Module]] = "layer",
+        unit: Union[str, Iterable[nn.Module]] = "auto",
         mixed_precision: Optional[MixedPrecisionPolicy] = None,
     ) -> None:
         require_process_group(type(self).__name__)
@@ -86,6 +93,8 @@ class FSDP(DataParallelWrapper):
         self._state.policy = mixed_precision
         shard_module(self.module, rank, world_size, device, sync_module_states)
         self.claim(self.module.parameters())  # meta parameters were replaced by new objects
+        shard_device = next((p.device for p in self.module.parameters()), torch.device("cpu"))
+        self._state.use_streams(streams.streams_for(shard_device))
         per_tensor = isinstance(unit, str) and unit == "tensor"
         for name, layers in unit_layers(self.module, unit):
             gather_unit = GatherUnit(name, layers, self._state, per_tensor)
@@ -129,17 +138,22 @@ class FSDP(DataParallelWrapper):
 
     # ---------------------------------------------------------------- memory
     def memory_stats(self) -> Dict[str, int]:
-        """Bytes this rank holds: shards, and gathered units and no_sync accumulation buffers."""
-        state = self._state
+        """Bytes this rank holds: shards, gathered units, no_sync accumulation buffers and
+        reduction buffers in flight ([Note: asynchronous reduction])."""
+        state, reduce = self._state, self._state.reductions.stats
         return {
             "shard_bytes": sum(_nbytes(p) for p in self.module.parameters()),
             "gathered_bytes": state.gathered_bytes,
             "peak_gathered_bytes": state.peak_gathered_bytes,
             "accumulated_grad_bytes": state.accumulated_bytes,
+            "reduce_bytes": reduce.live_bytes,
+            "peak_reduce_bytes": reduce.peak_bytes,
         }
 
     def reset_peak_memory_stats(self) -> None:
         self._state.peak_gathered_bytes = self._state.gathered_bytes
+        reduce = self._state.reductions.stats
+        reduce.peak_bytes = reduce.live_bytes
 
     # ---------------------------------------------------------------- what this rank holds
     def full_tensor(self, param: torch.Tensor) -> torch.Tensor:

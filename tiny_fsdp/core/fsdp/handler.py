@@ -8,10 +8,11 @@ shards]).
   which unshards the unit before its first layer computes and reshards it after its last one.
 - ``reduce_grads``: lay the layer's full gradients out as every rank's padded shard (a
   (world_size, numel) rank-major buffer), divide by world_size and reduce-scatter: a SUM of
-  pre-divided gradients is the average, on any backend. Slices of the result are the shard
-  gradients that autograd accumulates into ``param.grad`` (so a tied weight gets the sum of its
-  layers' parts). Under ``no_sync`` the padded full gradients are summed into a per-layer
-  buffer instead, and the next synchronised backward reduces the total.
+  pre-divided gradients is the average, on any backend. The reduce-scatter is launched, not
+  waited for; slices of its output are the shard gradients, accumulated into ``param.grad`` at
+  the end of the backward (a tied weight gets the sum of its layers' parts) and ``None`` is
+  returned ([Note: asynchronous reduction]). Under ``no_sync`` the padded full gradients are
+  summed into a per-layer buffer instead, and the next synchronised backward reduces the total.
 
 Mixed precision: a synchronised backward lays the gradients out directly in the policy's
 ``reduce_dtype``; ``no_sync`` sums are kept in the parameters' dtype (fp32, like ``.grad``) and
@@ -22,12 +23,11 @@ Gradients of one dtype are reduced in one collective per layer (one per tensor w
 unit ([Note: tied reduction]).
 """
 
-from typing import Dict, List, Optional, Tuple
+from typing import Dict, List, Tuple
 
 import torch
 from torch import nn
 
-from tiny_fsdp.core import comm
 from tiny_fsdp.core.fsdp.sharded_param import ShardedParam, shard_info
 from tiny_fsdp.core.fsdp.state import FSDPState
 from tiny_fsdp.core.fsdp.unit import GatherUnit
@@ -71,53 +71,63 @@ class FSDPHandler(ParamHandler):
         self.unit.release(module, phase)
 
     def reduce_grads(self, module: nn.Module, grads: Params) -> Params:
-        world, state = self.state.world_size, self.state
-        local: List[Optional[torch.Tensor]] = [None] * self.n_slots
+        """Launch this layer's reduce-scatters; every gradient is delivered at finalize."""
         for slot, param in self._tied.items():
             if grads[slot] is not None:
-                local[slot] = self.unit.tied.add(param, grads[slot])
+                self.unit.tied.add(param, grads[slot])
         for index, (group_slots, dtype) in enumerate(self.groups):
             members: List[Member] = [
                 (slot, self._infos[slot]) for slot in group_slots if grads[slot] is not None
             ]
-            if not members:
-                continue
-            slots = tuple(slot for slot, _ in members)
-            numel = sum(info.shard_numel for _, info in members)
-            previous = self._acc.pop(index, None)
-            if previous is not None:
-                state.track_accumulated(-_nbytes(previous[1]))
-                if previous[0] != slots:
-                    raise RuntimeError(
-                        f"{self.name}: the parameters with gradients changed between no_sync "
-                        f"micro-batches (slots {previous[0]}, then {slots})"
-                    )
-                buffer = previous[1]
-            else:
-                sync = state.require_grad_sync
-                buffer_dtype = state.reduce_dtype(dtype) if sync else dtype  # no_sync: fp32 sum
-                buffer = grads[slots[0]].new_empty(world * numel, dtype=buffer_dtype)
-            grid = buffer.view(world, numel)  # row r: what rank r's shards receive
-            offset = 0
-            for slot, info in members:
-                columns = grid[:, offset : offset + info.shard_numel]
-                info.copy_in(grads[slot], columns, accumulate=previous is not None)
-                offset += info.shard_numel
-            del grid, columns
-            if not state.require_grad_sync:
-                self._acc[index] = (slots, buffer)
-                state.track_accumulated(_nbytes(buffer))
-                continue
-            buffer = buffer.to(state.reduce_dtype(dtype))  # no copy unless a no_sync fp32 sum
-            buffer.div_(world)  # SUM of grad / world == average, on every backend
-            reduced = buffer.new_empty(numel)  # (numel,): this rank's shards, concatenated
-            comm.reduce_scatter(reduced, buffer)
-            del buffer
-            offset = 0
-            for slot, info in members:
-                local[slot] = reduced[offset : offset + info.shard_numel].view(info.shard_shape)
-                offset += info.shard_numel
-        return tuple(local)
+            if members:
+                self._reduce_group(module, index, dtype, members, grads)
+        return (None,) * self.n_slots  # [Note: asynchronous reduction]
+
+    def _reduce_group(
+        self,
+        module: nn.Module,
+        index: int,
+        dtype: torch.dtype,
+        members: List[Member],
+        grads: Params,
+    ) -> None:
+        """Lay one group's gradients out rank-major; reduce-scatter them or keep the no_sync sum."""
+        world, state = self.state.world_size, self.state
+        slots = tuple(slot for slot, _ in members)
+        numel = sum(info.shard_numel for _, info in members)
+        previous = self._acc.pop(index, None)
+        if previous is not None:
+            state.track_accumulated(-_nbytes(previous[1]))
+            if previous[0] != slots:
+                raise RuntimeError(
+                    f"{self.name}: the parameters with gradients changed between no_sync "
+                    f"micro-batches (slots {previous[0]}, then {slots})"
+                )
+            buffer = previous[1]
+        else:
+            sync = state.require_grad_sync
+            buffer_dtype = state.reduce_dtype(dtype) if sync else dtype  # no_sync: fp32 sum
+            buffer = grads[slots[0]].new_empty(world * numel, dtype=buffer_dtype)
+        grid = buffer.view(world, numel)  # row r: what rank r's shards receive
+        offset = 0
+        for slot, info in members:
+            columns = grid[:, offset : offset + info.shard_numel]
+            info.copy_in(grads[slot], columns, accumulate=previous is not None)
+            offset += info.shard_numel
+        del grid, columns
+        if not state.require_grad_sync:
+            self._acc[index] = (slots, buffer)
+            state.track_accumulated(_nbytes(buffer))
+            return
+        buffer = buffer.to(state.reduce_dtype(dtype))  # no copy unless a no_sync fp32 sum
+        buffer.div_(world)  # SUM of grad / world == average, on every backend
+        reduced = buffer.new_empty(numel)  # (numel,): this rank's shards, concatenated
+        parts, offset = [], 0
+        for slot, info in members:
+            shard_grad = reduced[offset : offset + info.shard_numel].view(info.shard_shape)
+            parts.append((getattr(module, module.param_names[slot]), shard_grad))
+            offset += info.shard_numel
+        state.launch_reduce_scatter(reduced, buffer, parts)
 
 
 def _nbytes(tensor: torch.Tensor) -> int:

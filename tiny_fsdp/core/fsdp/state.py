@@ -7,13 +7,16 @@ resharding it would only mean gathering it again (FSDP2 does the same for its ro
 ``reshard_after_forward=False`` no unit is resharded until its backward.
 """
 
-from typing import Any, List, Optional
+from typing import Any, List, Optional, Sequence
 
 import torch
 
+from tiny_fsdp.core import comm
 from tiny_fsdp.core.module.handler import TrainingPhase
 from tiny_fsdp.core.precision import MixedPrecisionPolicy
 from tiny_fsdp.core.prefetch import Prefetcher
+from tiny_fsdp.core.reductions import Part, PendingReductions
+from tiny_fsdp.core.streams import CommStreams
 
 
 class FSDPState(Prefetcher):
@@ -33,11 +36,29 @@ class FSDPState(Prefetcher):
         self.require_grad_sync = True
         self.policy: Optional[MixedPrecisionPolicy] = None  # set by FSDP(mixed_precision=...)
         self.units: List[Any] = []  # every GatherUnit of the model
+        self.streams = CommStreams()  # replaced by ``use_streams`` once the device is known
+        self.reductions = PendingReductions(self.streams)  # [Note: asynchronous reduction]
         # Bytes of gathered full parameters alive now / at most since the last reset, and of
         # no_sync gradient accumulation buffers.
         self.gathered_bytes = 0
         self.peak_gathered_bytes = 0
         self.accumulated_bytes = 0
+
+    def use_streams(self, streams: CommStreams) -> None:
+        """Issue gathers and reductions through ``streams`` ([Note: communication streams])."""
+        self.streams = streams
+        self.reductions.streams = streams
+
+    def launch_reduce_scatter(
+        self, output: torch.Tensor, input: torch.Tensor, parts: Sequence[Part]
+    ) -> None:
+        """Reduce-scatter ``input`` (world * k,) into ``output`` (k,); ``parts`` go to ``.grad``
+        at the end of the backward ([Note: asynchronous reduction])."""
+
+        def launch(async_op: bool) -> Any:
+            return comm.reduce_scatter(output, input, async_op=async_op)
+
+        self.reductions.launch(launch, (input, output), parts, self.async_comm)
 
     # ---------------------------------------------------------------- mixed precision
     def gather_dtype(self, dtype: torch.dtype) -> torch.dtype:
@@ -59,6 +80,7 @@ class FSDPState(Prefetcher):
     # ---------------------------------------------------------------- passes
     def pre_forward(self, prefetch: bool, grad_enabled: bool) -> None:
         """A wrapper forward starts: check the last backward, start from resharded units."""
+        self.reductions.abandon()  # only a backward that raised leaves any
         for unit in self.units:
             unit.tied.check_complete()
         self.drop_transients()

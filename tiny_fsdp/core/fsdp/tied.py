@@ -5,9 +5,9 @@ With per-block units (FSDP2's layout), GPT-2's ``wte`` and ``lm_head`` fall in t
 unit and share one weight. Reducing each layer's part separately would move that (large) weight
 twice per step. Instead every user adds its full gradient into one padded (world_size, numel)
 buffer, and the user that completes the count (all of the unit's layers that hold the
-parameter) reduce-scatters the sum; it returns the shard gradient, the others return None, and
-autograd's sum into ``.grad`` is the same. Under ``no_sync`` the completed sum is kept and the
-next passes add to it, like the per-layer accumulation buffers.
+parameter) launches the reduce-scatter of the sum, delivered into ``.grad`` at the end of the
+backward like every other part ([Note: asynchronous reduction]). Under ``no_sync`` the completed
+sum is kept and the next passes add to it, like the per-layer accumulation buffers.
 
 Limit: if, in a pass, some user's backward does not run (its output did not reach the loss),
 the count is never completed and those contributions would be lost; the next forward raises
@@ -17,12 +17,11 @@ Mixed precision: the sum is kept in the parameter's dtype (fp32, as autograd wou
 ``.grad``) and cast to the policy's ``reduce_dtype`` just before the reduce-scatter.
 """
 
-from typing import Dict, List, Optional, Sequence
+from typing import Dict, List, Sequence
 
 import torch
 from torch import nn
 
-from tiny_fsdp.core import comm
 from tiny_fsdp.core.fsdp.sharded_param import shard_info
 from tiny_fsdp.core.fsdp.state import FSDPState
 
@@ -44,8 +43,8 @@ class TiedReduction:
     def __contains__(self, param: nn.Parameter) -> bool:
         return id(param) in self.users
 
-    def add(self, param: nn.Parameter, grad: torch.Tensor) -> Optional[torch.Tensor]:
-        """Add one user's full ``grad``; the shard gradient once the sum is complete, else None."""
+    def add(self, param: nn.Parameter, grad: torch.Tensor) -> None:
+        """Add one user's full ``grad``; the last user launches the reduce-scatter of the sum."""
         info, world = shard_info(param), self.state.world_size
         entry = self._sums.get(id(param))
         if entry is None:
@@ -57,17 +56,18 @@ class TiedReduction:
             info.copy_in(grad, entry[0], accumulate=True)
         entry[1] += 1
         if entry[1] < self.users[id(param)]:
-            return None
+            return
         entry[1] = 0  # this pass is complete
         if not self.state.require_grad_sync:
-            return None  # keep the sum: the next synchronised pass adds to it and reduces
+            return  # keep the sum: the next synchronised pass adds to it and reduces
         buffer = self._sums.pop(id(param))[0]
         self.state.track_accumulated(-_nbytes(buffer))
         buffer = buffer.to(self.state.reduce_dtype(buffer.dtype))  # no copy without a policy
         buffer.div_(world)  # SUM of grad / world == average, on every backend
         reduced = buffer.new_empty(info.shard_numel)
-        comm.reduce_scatter(reduced, buffer.view(-1))
-        return reduced.view(info.shard_shape)
+        self.state.launch_reduce_scatter(
+            reduced, buffer.view(-1), [(param, reduced.view(info.shard_shape))]
+        )
 
     def check_complete(self) -> None:
         """Raise if a pass left a tied gradient sum incomplete ([Note: tied reduction])."""

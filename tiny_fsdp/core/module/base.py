@@ -10,7 +10,9 @@ same constructor, parameters and ``state_dict`` keys. Its ``forward`` calls ``cl
 2. backward: ``ctx.params = handler.fetch(module, BACKWARD)``, then
    ``grad_inputs, grad_params = module.backward_callback(ctx, grad_output)``, then
    ``handler.release(module, BACKWARD)`` and
-   ``handler.reduce_grads(module, grad_params)`` gives the local parameters' gradients.
+   ``handler.reduce_grads(module, grad_params)`` gives the local parameters' gradients, which
+   the Function returns to autograd; a None there is a gradient the strategy delivers into
+   ``.grad`` itself at the end of the backward ([Note: param handler]).
 
 ``FORWARD`` and ``BACKWARD`` are the members of ``TrainingPhase``. ``ctx.params`` holds the full
 parameters only for the duration of one callback, so a strategy that frees them after use is never

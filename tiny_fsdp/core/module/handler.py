@@ -11,8 +11,19 @@ A wrapped layer (see ``base.py``) never touches communication. Each layer has a
 - ``release(module, phase)``: the layer is done with the full parameters (free gathered storage).
 - ``reduce_grads(module, grads)``: turn the gradients of the full parameters into the gradients
   of the *local* parameters (the tensors the module really holds: the full tensor, a dim-0 shard,
-  or an empty tensor on a rank that does not own it). Autograd then accumulates the result into
-  ``local_param.grad``, so tied parameters and accumulation need no special code.
+  or an empty tensor on a rank that does not own it). Per parameter it returns EITHER the local
+  gradient, which the caller hands on (autograd accumulates it into ``local_param.grad``), OR
+  None: nothing to hand on, because the parameter is absent or frozen, or because the strategy
+  delivers the gradient itself. FSDP and ZeRO-3 always do the latter: ``reduce_grads`` only
+  *launches* the reduction (asynchronously with async communication on) and the strategy's
+  end-of-backward finalize, queued on the autograd engine, accumulates the result into
+  ``local_param.grad`` (in the parameter's dtype) before ``backward()`` returns ([Note:
+  asynchronous reduction] in ``core/reductions.py``). A caller treats None as "delivered
+  later", never as an error. Either way tied parameters (each use's part summed) and
+  accumulation onto an existing ``.grad`` need no code in the layers.
+
+Every reduction goes through ``reduce_grads``, whoever calls it (a layer's Function, or a hook
+of the generic path), so every caller gets the strategy's asynchronous reduction.
 
 ``phase`` is a ``TrainingPhase``: ``FORWARD`` or ``BACKWARD``. The backward fetch is where a
 strategy that freed its parameters after forward gathers them again. A forward fetch also

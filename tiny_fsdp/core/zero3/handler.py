@@ -11,9 +11,10 @@ full shape is kept in ``param._tiny_fsdp_zero3`` (a ``TensorInfo``). Each layer 
   layer is never kept full between uses (``is_unsharded`` is always False).
 - ``release``: ``reshard``: the buffers are dropped. Nothing else holds them (the layer
   callbacks save inputs, never weights), so they are freed; ``Zero3Runtime.stats`` counts them.
-- ``reduce_grads``: each rank divides its full gradient by N and SUM-reduces it to the owner,
-  which returns it to autograd (accumulated into ``param.grad``); the others return None. A
-  tied parameter is fetched and reduced by both of its layers; autograd sums the two parts.
+- ``reduce_grads``: each rank divides its full gradient by N and launches its SUM-reduce to the
+  owner; every rank returns None, and at the end of the backward the owner accumulates the
+  result into ``param.grad`` ([Note: asynchronous reduction]). A tied parameter is fetched and
+  reduced by both of its layers; the two parts are summed there.
 
 Under ``no_sync()`` every rank (owner included, so the owner's part is divided by N exactly
 once) adds its gradient to a full-size buffer kept here per parameter, and returns None; the next
@@ -22,7 +23,7 @@ touched in ``no_sync``, on every rank, i.e. the whole model's gradients, as in D
 
 Mixed precision ([Note: mixed precision]): the owner broadcasts a ``param_dtype`` copy of its
 fp32 tensor (received buffers are ``param_dtype``: half the bytes with bf16), the gradient is
-reduced in ``reduce_dtype`` and autograd accumulates the owner's result into the fp32
+reduced in ``reduce_dtype`` and the owner's result is accumulated into the fp32
 ``param.grad``. The ``no_sync`` buffer is kept in the parameter's dtype (fp32), like ``.grad``.
 
 Prefetch ([Note: prefetch]): with async communication on, a fetch issues the broadcasts of the
@@ -34,7 +35,7 @@ with and without prefetching: the same tensors are broadcast and the same math r
 
 import weakref
 from dataclasses import dataclass, field
-from typing import Dict, List, Optional
+from typing import Any, Dict, List, Optional
 
 import torch
 from torch import nn
@@ -44,6 +45,8 @@ from tiny_fsdp.core.module import ParamHandler, local_param
 from tiny_fsdp.core.module.handler import Params, TrainingPhase
 from tiny_fsdp.core.precision import MixedPrecisionPolicy
 from tiny_fsdp.core.prefetch import Prefetcher
+from tiny_fsdp.core.reductions import PendingReductions
+from tiny_fsdp.core.streams import GATHER, CommHandle, CommStreams
 
 ATTR = "_tiny_fsdp_zero3"  # name of the TensorInfo attribute put on each managed Parameter
 
@@ -78,16 +81,11 @@ class FetchStats:
 
 @dataclass
 class PendingBroadcast:
-    """One layer's full parameters, possibly still arriving (``works`` not yet waited)."""
+    """One layer's full parameters, possibly still arriving (``handle`` not yet waited)."""
 
     full: Params
-    works: list
+    handle: CommHandle  # the layer's broadcasts ([Note: communication streams])
     nbytes: int  # bytes of the received (non-owned) buffers
-
-    def wait(self) -> None:
-        for work in self.works:
-            work.wait()
-        self.works = []
 
 
 class Zero3Runtime(Prefetcher):
@@ -107,10 +105,21 @@ class Zero3Runtime(Prefetcher):
         self.stats = FetchStats()
         self.sync_grads = True  # set per pass from require_backward_grad_sync
         self.accumulated: Dict[int, torch.Tensor] = {}  # id(param) -> no_sync gradient sum
+        self.streams = CommStreams()  # replaced by ``use_streams`` once the device is known
+        self.reductions = PendingReductions(self.streams)  # [Note: asynchronous reduction]
 
-    def reduce_grad(self, param: nn.Parameter, grad: torch.Tensor) -> Optional[torch.Tensor]:
-        """Full ``grad`` of ``param`` -> the owner's share of the average; None elsewhere."""
-        owner = getattr(param, ATTR).owner
+    def use_streams(self, streams: CommStreams) -> None:
+        """Issue broadcasts and reductions through ``streams`` ([Note: communication streams])."""
+        self.streams = streams
+        self.reductions.streams = streams
+
+    def pre_forward(self, prefetch: bool, grad_enabled: bool) -> None:
+        self.reductions.abandon()  # only a backward that raised leaves any
+        super().pre_forward(prefetch, grad_enabled)
+
+    def prepare_reduce(self, param: nn.Parameter, grad: torch.Tensor) -> Optional[torch.Tensor]:
+        """The tensor to SUM-reduce to the owner of ``param`` for its full ``grad`` (the
+        average's share), or None under no_sync, where ``grad`` is added to the local sum."""
         if not self.sync_grads:
             total = self.accumulated.get(id(param))
             if total is None:  # in the parameter's dtype: fp32 under mixed precision, as .grad
@@ -127,11 +136,23 @@ class Zero3Runtime(Prefetcher):
         # Pre-divide, then SUM: an average on every backend. Out of place unless the tensor is
         # our own buffer: the callback's gradient may share storage with something else.
         if accumulated is not None and grad.dtype == reduce_dtype:
-            total = grad.div_(self.world_size)
-        else:
-            total = grad.to(reduce_dtype) / self.world_size
-        comm.reduce(total, dst=owner)
-        return total if owner == self.rank else None
+            return grad.div_(self.world_size)
+        return grad.to(reduce_dtype) / self.world_size
+
+    def launch_reduces(self, params: List[nn.Parameter], totals: List[torch.Tensor]) -> None:
+        """One layer's reduces, one per tensor, in order; the owners' ``.grad`` receive them at
+        the end of the backward ([Note: asynchronous reduction])."""
+        owners = [getattr(p, ATTR).owner for p in params]
+        parts = [(p, t) for p, t, owner in zip(params, totals, owners) if owner == self.rank]
+
+        def launch(async_op: bool) -> List[Any]:
+            if self.world_size == 1:
+                return []  # one rank: the reduction is the identity
+            return [
+                comm.reduce(t, dst=owner, async_op=async_op) for t, owner in zip(totals, owners)
+            ]
+
+        self.reductions.launch(launch, totals, parts, self.async_comm)
 
     @torch.no_grad()
     def gather_full(self, param: nn.Parameter) -> torch.Tensor:
@@ -177,7 +198,7 @@ class Zero3Handler(ParamHandler):
         """Issue this layer's broadcasts; the result is valid after ``wait_for_unshard``."""
         rt = self.runtime
         full_params: List[Optional[torch.Tensor]] = []
-        works, nbytes = [], 0
+        broadcasts, nbytes = [], 0
         for name in self.module.param_names:
             local = local_param(self.module, name)  # also while a generic layer computes
             if local is None:  # absent bias
@@ -195,20 +216,23 @@ class Zero3Handler(ParamHandler):
                 rt.stats.add(full)
                 nbytes += full.numel() * full.element_size()
             if rt.world_size > 1:
-                work = comm.broadcast(full, src=info.owner, async_op=async_op)
-                if work is not None:
-                    works.append(work)
+                broadcasts.append((full, info.owner))
             full_params.append(full)
-        return PendingBroadcast(tuple(full_params), works, nbytes)
+
+        def launch(async_op: bool) -> List[Any]:
+            return [comm.broadcast(t, src=src, async_op=async_op) for t, src in broadcasts]
+
+        handle = rt.streams.issue(GATHER, launch, async_op)
+        return PendingBroadcast(tuple(full_params), handle, nbytes)
 
     def wait_for_unshard(self, pending: PendingBroadcast) -> None:
         """Wait for the broadcasts; ``fetch`` hands out their buffers until ``reshard``."""
-        pending.wait()
+        self.runtime.streams.wait(pending.handle)
         self._in_use.append(pending)
 
     def discard(self, pending: PendingBroadcast) -> None:
         """Forget a prefetch that will not be used, once its broadcasts have finished."""
-        pending.wait()
+        self.runtime.streams.wait(pending.handle)
         self.runtime.stats.live_bytes -= pending.nbytes
 
     def reshard(self) -> None:
@@ -217,11 +241,16 @@ class Zero3Handler(ParamHandler):
             self.runtime.stats.live_bytes -= self._in_use.pop().nbytes
 
     def reduce_grads(self, module: nn.Module, grads: Params) -> Params:
-        out: List[Optional[torch.Tensor]] = []
+        """Launch the reduces of this layer's gradients; delivered at the end of the backward."""
+        params, totals = [], []
         for name, grad in zip(module.param_names, grads):
             local = getattr(module, name)
-            if local is None or grad is None:  # absent or frozen: the same on every rank
-                out.append(None)
-            else:
-                out.append(self.runtime.reduce_grad(local, grad))
-        return tuple(out)
+            if local is None or grad is None:  # absent / frozen: alike on every rank
+                continue
+            total = self.runtime.prepare_reduce(local, grad)
+            if total is not None:
+                params.append(local)
+                totals.append(total)
+        if params:
+            self.runtime.launch_reduces(params, totals)
+        return (None,) * len(grads)  # [Note: asynchronous reduction]

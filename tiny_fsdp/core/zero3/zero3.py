@@ -24,12 +24,13 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from tiny_fsdp.core import comm
+from tiny_fsdp.core import comm, streams
+from tiny_fsdp.core.local_state import LocalPiece
 from tiny_fsdp.core.meta_buffers import has_meta_buffers, materialize_buffers
 from tiny_fsdp.core.module import is_layer
 from tiny_fsdp.core.module.outside_reads import OutsideReadWatch
 from tiny_fsdp.core.precision import MixedPrecisionPolicy
-from tiny_fsdp.core.local_state import LocalPiece
+from tiny_fsdp.core.reductions import ReduceStats
 from tiny_fsdp.core.wrapper import DataParallelWrapper
 from tiny_fsdp.core.zero3.handler import ATTR, FetchStats, TensorInfo, Zero3Handler, Zero3Runtime
 
@@ -46,9 +47,10 @@ class Zero3(DataParallelWrapper):
         param_part_table: name -> owner rank for every ``module.named_parameters()`` name, as
             returned by ``zero3_partition_tensors``; its ``ranks_map`` device (if given) is
             where this rank's tensors live.
-        enable_async_communication: prefetch the next layers' broadcasts ([Note: prefetch]);
-            also settable as an attribute (read at each forward). Results are bitwise identical
-            on and off.
+        enable_async_communication: prefetch the next layers' broadcasts ([Note: prefetch]) and
+            leave gradient reduces in flight while backward goes on ([Note: asynchronous
+            reduction]); on by default, also settable as an attribute (read at each forward).
+            Results are bitwise identical on and off.
         prefetch_limit: at most this many prefetched layers unconsumed at once (>= 1).
         prefetch_depth: deprecated name of ``prefetch_limit``.
         sync_module_states: broadcast every tensor from rank 0 first (normal models only), so
@@ -67,7 +69,7 @@ class Zero3(DataParallelWrapper):
         self,
         module: nn.Module,
         param_part_table: Mapping[str, int],
-        enable_async_communication: bool = False,
+        enable_async_communication: bool = True,
         *,
         prefetch_limit: int = 2,
         sync_module_states: bool = False,
@@ -99,6 +101,7 @@ class Zero3(DataParallelWrapper):
         self.device = _choose_device(param_part_table, named, rank)  # move inputs here
         self._materialize(named, self.device, sync_module_states)
         self.claim(self.module.parameters())  # meta parameters were replaced by new objects
+        self._runtime.use_streams(streams.streams_for(self.device))
         for layer in self.module.modules():
             if is_layer(layer):
                 Zero3Handler(self._runtime).attach(layer)
@@ -108,6 +111,12 @@ class Zero3(DataParallelWrapper):
     def fetch_stats(self) -> FetchStats:
         """Bytes of fetched, non-owned parameter buffers on this rank (live and peak)."""
         return self._runtime.stats
+
+    @property
+    def reduce_stats(self) -> ReduceStats:
+        """Bytes of gradient reduction buffers in flight on this rank ([Note: asynchronous
+        reduction]): live, peak, and the largest reduction's input."""
+        return self._runtime.reductions.stats
 
     @property
     def prefetch_limit(self) -> int:

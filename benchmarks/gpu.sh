@@ -1,0 +1,12 @@
+#!/usr/bin/env bash
+# The GPU check in one command (needs one CUDA GPU; issue 17):
+#   1. every strategy's parity with PyTorch on CUDA, NCCL at world size 1 (pytest -m cuda);
+#   2. single-GPU throughput of GPT-2 124M in bf16, every strategy vs plain PyTorch and FSDP2,
+#      MFU printed, with profiler traces of an FSDP and a ZeRO-3 step in out/gpu/.
+# Extra arguments go to benchmarks/gpu_throughput.py (e.g. --batch_size 4 --peak_tflops 312).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+python -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 'no CUDA GPU found')"
+python -m pytest -q -m cuda tests/test_cuda.py
+torchrun --standalone --nproc_per_node=1 benchmarks/gpu_throughput.py "$@"

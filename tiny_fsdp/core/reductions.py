@@ -1,0 +1,177 @@
+"""Gradient reductions of one backward: issued asynchronously, delivered into ``.grad`` at its end.
+
+[Note: asynchronous reduction]
+FSDP's reduce-scatters and ZeRO-3's reduces are issued by a layer's backward ([Note: param
+handler]) but nothing waits for them there: ``launch`` issues the collective (``async_op=True``
+with async communication on) and returns, so it travels while the earlier layers' backward
+computes. The layer hands ``None`` to autograd for those parameters; the reduced gradients are
+delivered by ``finalize``, which the first ``launch`` of a backward queues on the autograd engine
+(``queue_callback``): it runs once the backward's last node has run, before ``backward()``
+returns.
+
+``finalize`` waits for every reduction in issue order, then, per parameter and in issue order,
+casts each part to the parameter's dtype and sums the parts (a tied parameter reduced by two
+layers has two), and accumulates the sum into ``param.grad`` (``.grad = sum`` when there is none,
+else ``.grad += sum``). That is exactly what autograd did when the layers returned the parts (its
+input buffer sums a node's incoming gradients, then ``AccumulateGrad`` adds them), so results are
+bitwise the same as before, and the same with async communication on and off: off, each
+collective runs at once (``async_op=False``), in the same order, delivered by the same code.
+Accumulation across backwards, ``no_sync`` (nothing is launched: the strategies sum locally),
+clipping after ``backward()``, tied and frozen parameters (no part) keep their meaning. Two
+differences from autograd's accumulation: ``register_post_accumulate_grad_hook`` hooks of these
+parameters do not fire, and ``torch.autograd.grad(..., inputs=params)`` returns None for them
+(their gradients still go to ``.grad``).
+
+Memory bound. A reduction holds its *input* (the padded full gradients it reduces) until it is
+retired, and its *output* (this rank's part) until ``finalize`` delivers it. At most
+``in_flight_limit`` reductions are unretired: launching one more first retires the oldest
+(waiting for it), and each launch retires, without waiting, those already done. So at any time
+
+    reduce_bytes <= in_flight_limit * (largest reduction input)
+                    + outputs launched in this backward (<= the local gradients, reduce dtype)
+
+and ``peak_reduce_bytes`` counts it (``FSDP.memory_stats()``, ``Zero3.reduce_stats``).
+``in_flight_limit`` is 2: one reduction travelling and the next queued behind it, so the process
+group never idles for want of work, and waiting for the oldest stalls the backward only when
+communication is the bottleneck anyway. The
+outputs are not extra memory when ``.grad`` is None (the output becomes ``.grad``, no copy), as
+before; when gradients accumulate onto an existing ``.grad`` they live until ``finalize`` instead
+of being added at once. Synchronous reduction (the old path) kept one input at a time, so the
+rise is at most ``in_flight_limit - 1`` inputs plus, when accumulating, the outputs.
+
+If a backward raises before ``finalize``, the next forward calls ``abandon``: it waits for what
+is in flight and drops it undelivered (as autograd drops a failed backward's gradients).
+"""
+
+from collections import deque
+from dataclasses import dataclass
+from typing import Deque, Dict, List, Sequence, Tuple
+
+import torch
+from torch import nn
+
+from tiny_fsdp.core.streams import REDUCE, CommHandle, CommStreams, Launch
+
+Part = Tuple[nn.Parameter, torch.Tensor]  # (local parameter, its reduced gradient part)
+
+
+@dataclass
+class _Reduction:
+    handle: CommHandle
+    inputs: Sequence[torch.Tensor]  # kept alive until retired
+    parts: Sequence[Part]  # delivered at finalize
+    input_bytes: int
+    output_bytes: int
+    retired: bool = False
+
+
+@dataclass
+class ReduceStats:
+    """Bytes of reduction buffers alive now and at most ([Note: asynchronous reduction])."""
+
+    live_bytes: int = 0
+    peak_bytes: int = 0
+    peak_in_flight: int = 0  # most reductions unretired at once
+    largest_input_bytes: int = 0  # of any reduction launched so far
+
+    def track(self, nbytes: int) -> None:
+        self.live_bytes += nbytes
+        self.peak_bytes = max(self.peak_bytes, self.live_bytes)
+
+
+class PendingReductions:
+    """The reductions of the current backward of one model ([Note: asynchronous reduction])."""
+
+    def __init__(self, streams: CommStreams, in_flight_limit: int = 2) -> None:
+        if in_flight_limit < 1:
+            raise ValueError(f"in_flight_limit must be >= 1, got {in_flight_limit}")
+        self.streams = streams
+        self.in_flight_limit = in_flight_limit
+        self.stats = ReduceStats()
+        self._all: List[_Reduction] = []  # launched in this backward, in order
+        self._in_flight: Deque[_Reduction] = deque()  # launched, not retired
+        self._finalize_queued = False
+
+    def launch(
+        self,
+        launch: Launch,
+        inputs: Sequence[torch.Tensor],
+        parts: Sequence[Part],
+        async_op: bool,
+    ) -> None:
+        """Issue one reduction; ``parts`` are read (and delivered) only at ``finalize``.
+
+        ``launch(async_op)`` calls the collective; ``inputs`` are the tensors it reads, kept
+        alive until it is retired; ``parts``: (parameter, slice of the output) pairs.
+        """
+        if not self._finalize_queued:
+            torch.autograd.Variable._execution_engine.queue_callback(self.finalize)
+            self._finalize_queued = True
+        while len(self._in_flight) >= self.in_flight_limit:
+            self._retire(self._in_flight.popleft())
+        outputs = _storages([t for _, t in parts])
+        reduction = _Reduction(
+            handle=self.streams.issue(REDUCE, launch, async_op),
+            inputs=tuple(inputs),
+            parts=tuple(parts),
+            # an input that is also an output (ZeRO-3's owner) counts as an output
+            input_bytes=sum(n for p, n in _storages(inputs).items() if p not in outputs),
+            output_bytes=sum(outputs.values()),
+        )
+        self._all.append(reduction)
+        stats = self.stats
+        stats.largest_input_bytes = max(stats.largest_input_bytes, reduction.input_bytes)
+        self.stats.track(reduction.input_bytes + reduction.output_bytes)
+        self._in_flight.append(reduction)
+        self.stats.peak_in_flight = max(self.stats.peak_in_flight, len(self._in_flight))
+        if not async_op:
+            self._retire(self._in_flight.pop())
+        self._retire_done()
+
+    @torch.no_grad()
+    def finalize(self) -> None:
+        """Wait for every reduction and accumulate the parts into ``.grad`` (end of backward)."""
+        reductions, self._all = self._all, []
+        self._finalize_queued = False
+        while self._in_flight:
+            self._retire(self._in_flight.popleft())
+        sums: Dict[int, List] = {}  # id(param) -> [param, sum of its parts]
+        for reduction in reductions:
+            for param, part in reduction.parts:
+                part = part.to(param.dtype)
+                entry = sums.get(id(param))
+                if entry is None:
+                    sums[id(param)] = [param, part]
+                else:
+                    entry[1] = entry[1] + part
+            self.stats.track(-reduction.output_bytes)
+        del reductions
+        for param, total in sums.values():
+            if param.grad is None:
+                param.grad = total.detach()
+            else:
+                param.grad += total
+
+    def abandon(self) -> None:
+        """Drop (after waiting for them) the reductions of a backward that never finalized."""
+        while self._in_flight:
+            self._retire(self._in_flight.popleft())
+        for reduction in self._all:
+            self.stats.track(-reduction.output_bytes)
+        self._all = []
+        self._finalize_queued = False
+
+    def _retire(self, reduction: _Reduction) -> None:
+        self.streams.wait(reduction.handle)
+        reduction.inputs = ()
+        reduction.retired = True
+        self.stats.track(-reduction.input_bytes)
+
+    def _retire_done(self) -> None:
+        while self._in_flight and self.streams.is_done(self._in_flight[0].handle):
+            self._retire(self._in_flight.popleft())
+
+
+def _storages(tensors: Sequence[torch.Tensor]) -> Dict[int, int]:
+    """Address -> bytes of the distinct storages behind ``tensors`` (slices of one count once)."""
+    return {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors}
