@@ -101,7 +101,7 @@ def _train_with_fault(
 ) -> None:
     """Train until the fault; then every rank re-raises what it got, the failing rank last.
 
-    The harness reports only the ranks that fail within 0.5 s of the first one, so the failing
+    The harness reports only the ranks that fail within ERROR_GRACE of the first one, so the failing
     rank (whose error comes first) waits until the others have theirs before re-raising.
     """
     from tiny_fsdp.core.utils.failure import PeerFailureError, fail_fast
