@@ -26,6 +26,9 @@ from tiny_fsdp.core.module import ParamHandler, convert_module
 from tiny_fsdp.core.precision import MixedPrecisionPolicy, apply_mixed_precision
 
 STRATEGIES = ["single", "ddp", "zero1", "zero2", "zero3", "fsdp"]
+# FSDP gathers per layer here (its default is per block): the checkpointing figures below count
+# one all-gather per layer.
+PER_LAYER = {"fsdp": {"unit": "layer"}}
 DISTRIBUTED = STRATEGIES[1:]
 LR = 1e-3
 ADAMW = adamw(lr=LR)  # every strategy's own AdamW
@@ -85,6 +88,7 @@ def train(
         ADAMW,
         mixed_precision=policy,
         enable_async_communication=async_comm,
+        **PER_LAYER.get(strategy, {}),
     )
     model.gradient_checkpointing = ckpt
     losses, norms = [], []
@@ -191,8 +195,8 @@ def _check_checkpointing(rank: int, world_size: int) -> None:
     block_tensors = sum(len(list(m.parameters(recurse=False))) for m in block_layers)
     # Backward of a block's last layer reads its saved input first, which recomputes the block
     # inside that backward: ZeRO-3 broadcasts every block tensor once more (one broadcast per
-    # tensor); FSDP gathers every block layer once more (one all-gather per layer, its default
-    # unit) except the last, whose recomputation finds the unit its backward holds.
+    # tensor); FSDP gathers every block layer once more (one all-gather per layer, the unit
+    # these tests use) except the last, whose recomputation finds the unit its backward holds.
     extra_fetches = {
         "fsdp": ("all_gather", len(block_layers) - len(blocks)),
         "zero3": ("broadcast", block_tensors),
