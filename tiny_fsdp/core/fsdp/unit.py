@@ -26,12 +26,12 @@ multi-tensor one is laid out rank-major (rank r's shards of every tensor, then r
 each tensor is copied out to its own storage and the buffer is freed at once.
 
 Which unit, by measurement (the first round's FSDP benchmark, now part of ``example/benchmark.py``:
-gpt2_mini, 2 CPU ranks on gloo, all variants and FSDP2 alternating in one run; step-time ratio
-to FSDP2, median / paired median): per tensor 1.10-1.14 / 1.10 (158 collectives a step), per layer 1.15 / 1.08 (83), per block +
-root 0.98 / 0.96 (36). Gloo collectives are slow here (milliseconds each, a few hundred MB/s),
-so what counts is the number of collectives and the bytes moved: per block issues the fewest
-and, with the tied weight in one unit, gathers and reduces GPT-2's 51 MB embedding once a step
-instead of three and two times. Its price is memory: the root unit (the embedding) stays
+gpt2_mini, 2 CPU ranks on gloo, all variants and FSDP2 alternating in one run; step-time ratio to
+FSDP2, median / paired median): per tensor 1.10-1.14 / 1.10 (158 collectives a step), per layer 1.15
+/ 1.08 (83), per block + root 0.98 / 0.96 (36). Gloo collectives are slow here (milliseconds each, a
+few hundred MB/s), so what counts is the number of collectives and the bytes moved: per block issues
+the fewest and, with the tied weight in one unit, gathers and reduces GPT-2's 51 MB embedding once a
+step instead of three and two times. Its price is memory: the root unit (the embedding) stays
 gathered for the whole step, as in FSDP2, and a block is gathered at once instead of a layer.
 Hence ``"auto"`` is the default: it finds the blocks itself, so the fast layout needs no
 knowledge of the model from the user; ``"layer"`` gathers the least at a time (less memory).
