@@ -41,6 +41,12 @@ parts live in ``example/bench/``.
 - Traffic per step and rank: our collectives from ``LEDGER`` (exact); PyTorch's FSDP2 and
   ZeroRedundancyOptimizer by counting the ``torch.distributed`` calls of the probe step;
   torch DDP's C++ reducer from its logging data (bucket sizes: one all-reduce each).
+- The generic path's cost ([Note: generic layer]): ``--model hf:gpt2 --strategies
+  fsdp,fsdp_wrapped --compare --steps 20 --warmup 2 --batch_size 4 --seq_len 128`` (HF GPT-2,
+  0.86 M parameters, its ``Conv1D`` generic in ``fsdp``, wrapped in ``fsdp_wrapped``; 2 CPU
+  ranks, gloo) measured ``fsdp`` at 0.94 x FSDP2's step time and 1.02 x ``fsdp_wrapped``'s
+  (``fsdp_wrapped``: 0.99 x FSDP2; medians of per-round ratios), same losses to 4 decimals, on
+  a machine whose load average was 9-10 on 2 cores: step times spread by 3-4x, so rough.
 """
 
 import argparse
