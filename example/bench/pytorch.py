@@ -2,7 +2,8 @@
 
 ``torch_ddp``: ``DistributedDataParallel``; ``torch_zero``: DDP + ``ZeroRedundancyOptimizer``
 (ZeRO-1); ``torch_fsdp2``: ``fully_shard`` per transformer block, then the root (FSDP2's
-recommended layout, the same units as our FSDP example). Same optimizer kind, hyper-parameters
+recommended layout, the same units as our FSDP's default ``unit="auto"``, found the same way:
+``repeated_blocks``, so any model works). Same optimizer kind, hyper-parameters
 and weight-decay groups as ``example/strategies.py``.
 """
 
@@ -15,6 +16,7 @@ import torch.distributed as dist
 from torch import nn
 
 from example.strategies import decayed_names, param_groups
+from tiny_fsdp.core.fsdp.unit import repeated_blocks
 from tiny_fsdp.core.utils.dist import DistEnv
 
 TORCH_STRATEGIES = ("torch_ddp", "torch_zero", "torch_fsdp2")
@@ -40,7 +42,7 @@ def build_torch(
         return [{**g, "params": [p for _, p in g["params"]]} for g in named]
 
     if name == "torch_fsdp2":
-        for block in plain.transformer.h:
+        for block in repeated_blocks(plain) or []:
             fully_shard(block)
         fully_shard(plain)
         optimizer = cls(groups(plain), **hyper)

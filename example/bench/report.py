@@ -4,7 +4,7 @@ import argparse
 import statistics
 from typing import Dict, List, Optional, Tuple
 
-from example.bench.runner import COUNTERPART
+from example.bench.runner import COUNTERPART, VARIANTS
 
 KIND = {"all_reduce": "AR", "all_gather": "AG", "reduce_scatter": "RS", "broadcast": "BC"}
 KIND["reduce"] = "R"
@@ -16,7 +16,8 @@ def summarize(
 ) -> Dict[str, dict]:
     """Per strategy: the figures of the table (memory of the rank with the highest peak).
     ``predicted``: strategy -> model-state bytes from ``tiny_fsdp.estimate`` (largest rank).
-    ``vs_torch``: the median over rounds of (our step time / the PyTorch counterpart's)."""
+    ``vs_torch``: the median over rounds of (our step time / the PyTorch counterpart's);
+    ``vs_variants``: variant -> the same median of (this strategy's / the variant's)."""
     rows: Dict[str, dict] = {}
     single = results.get("single_device", [{}])[0].get("losses")
     for name, per_rank in results.items():
@@ -27,13 +28,30 @@ def summarize(
         row.update(tokens_per_s=tokens_per_step / row["median"], peak=worst["peak"])
         row.update(memory=worst["memory"], comm=per_rank[0]["comm"], losses=per_rank[0]["losses"])
         row["loss_gap"] = None if single is None else abs(row["losses"][-1] - single[-1])
-        row["predicted"] = (predicted or {}).get(name)
+        row["predicted"] = (predicted or {}).get(VARIANTS.get(name, name))
         other = results.get(COUNTERPART.get(name, ""))
         if other is not None:
-            paired = [a / b for a, b in zip(times, other[0]["times"])]
-            row["vs_torch"] = statistics.median(paired)
+            row["vs_torch"] = _paired_median(times, other[0]["times"])
+        variants = {v: results[v] for v, base in VARIANTS.items() if base == name and v in results}
+        if variants:
+            row["vs_variants"] = {
+                v: _paired_median(times, r[0]["times"]) for v, r in variants.items()
+            }
         rows[name] = row
     return rows
+
+
+def _paired_median(times: List[float], others: List[float]) -> float:
+    return statistics.median(a / b for a, b in zip(times, others))
+
+
+def ratio_lines(rows: Dict[str, dict]) -> str:
+    """One line per (strategy, variant) measured together: the paired median step-time ratio."""
+    return "\n".join(
+        f"{name} / {variant}: {ratio:.2f} x step time (median of per-round ratios)"
+        for name, row in rows.items()
+        for variant, ratio in row.get("vs_variants", {}).items()
+    )
 
 
 def header_line(

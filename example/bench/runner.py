@@ -20,6 +20,7 @@ from example.bench.pytorch import (
 )
 from example.data import TokenBatches
 from example.model import GPT2Model, GPTConfigs
+from example.models import logits_of
 from example.strategies import STRATEGIES
 from tiny_fsdp.core.comm import LEDGER
 from tiny_fsdp.core.memory import (
@@ -38,9 +39,14 @@ PHASES = [
     ["zero1", "zero2", "torch_zero"],
     ["zero3", "fsdp", "torch_fsdp2"],
 ]
-NAMES = [name for phase in PHASES for name in phase]
+# Opt-in variants of ours (never in the default set), each run next to the strategy it varies.
+# ``fsdp_wrapped``: FSDP with wrappers registered for ``transformers``' layers (HF GPT-2's
+# ``Conv1D``), which ``fsdp`` runs through the generic path; the same on other models.
+VARIANTS = {"fsdp_wrapped": "fsdp"}
+NAMES = [name for phase in PHASES for name in phase] + list(VARIANTS)
+OURS = set(STRATEGIES) | set(VARIANTS)
 COUNTERPART = {"ddp": "torch_ddp", "zero1": "torch_zero", "zero2": "torch_zero"}
-COUNTERPART.update(zero3="torch_fsdp2", fsdp="torch_fsdp2")
+COUNTERPART.update(zero3="torch_fsdp2", fsdp="torch_fsdp2", fsdp_wrapped="torch_fsdp2")
 
 
 def select_phases(strategies: Sequence[str], compare: bool) -> List[List[str]]:
@@ -49,15 +55,25 @@ def select_phases(strategies: Sequence[str], compare: bool) -> List[List[str]]:
     unknown = sorted(set(strategies) - set(NAMES))
     if unknown:
         raise ValueError(f"unknown strategies {unknown}; choose from {NAMES}")
-    chosen = set(strategies or NAMES)
+    chosen = set(strategies or set(NAMES) - set(VARIANTS))
     if compare:
         chosen |= {COUNTERPART[s] for s in chosen if s in COUNTERPART}
-    phases = [[name for name in phase if name in chosen] for phase in PHASES]
+    with_variants = [
+        [n for name in phase for n in [name] + [v for v, b in VARIANTS.items() if b == name]]
+        for phase in PHASES
+    ]
+    phases = [[name for name in phase if name in chosen] for phase in with_variants]
     return [phase for phase in phases if phase]
 
 
 def build(name: str, make_model: Callable[[], nn.Module], args: argparse.Namespace, env: DistEnv):
     """``(model, optimizer, optimizer the memory ledger reads)`` of strategy ``name``."""
+    if name in VARIANTS:
+        from example.bench.hf_wrappers import hf_wrappers_registered  # needs transformers
+
+        with hf_wrappers_registered():  # our models convert their layers at wrap time
+            model, optimizer = STRATEGIES[VARIANTS[name]](make_model, args, env)
+        return model, optimizer, optimizer
     if name in STRATEGIES:
         model, optimizer = STRATEGIES[name](make_model, args, env)
         return model, optimizer, optimizer
@@ -102,7 +118,7 @@ class Runner:
             nonlocal loss
             if not self.active:
                 return
-            logits = self.model(x)  # (B, T, vocab)
+            logits = logits_of(self.model(x))  # (B, T, vocab)
             loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1))
             loss.backward()
             self.optimizer.step()
@@ -118,7 +134,7 @@ class Runner:
             with counting_torch_collectives(torch_counts):
                 self.memory["step_growth"] = peak_growth(env.device, run)
             ours = {k: [LEDGER.calls[k], LEDGER.payload_bytes[k]] for k in LEDGER.calls}
-            self.comm = ours if self.name in STRATEGIES else torch_counts
+            self.comm = ours if self.name in OURS else torch_counts
             if self.name in ("torch_ddp", "torch_zero"):
                 self.comm.update(torch_ddp_traffic(self.model) or {"all_reduce": None})
         else:
