@@ -48,8 +48,10 @@ PREFIX = "tiny_fsdp/fail_fast"
 _HANDLED = "_tiny_fsdp_fail_fast_handled"  # set on an exception once a fail_fast block saw it
 _SESSIONS = itertools.count()
 _POLL_S = 0.05
-# Substrings of the messages of exceptions that collectives raise (gloo: plain RuntimeError).
+# Substrings of the messages of exceptions that collectives raise (gloo: plain RuntimeError;
+# an asynchronous one queued behind a timed-out one fails with "...timeout caused pair closure").
 _COMM_MARKERS = ("gloo", "nccl", "c10d", "connection closed", "connection reset", "timed out")
+_COMM_MARKERS += ("pair closure",)
 
 
 class PeerFailureError(RuntimeError):
