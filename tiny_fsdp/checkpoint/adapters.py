@@ -180,10 +180,6 @@ class Adapter:
         return out
 
 
-def make_adapter(model: nn.Module, optimizer: Optional[torch.optim.Optimizer]) -> Adapter:
-    return Adapter(model, optimizer)
-
-
 # -------------------------------------------------------------------- export / import
 
 

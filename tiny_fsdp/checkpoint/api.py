@@ -33,10 +33,10 @@ from torch import nn
 
 from tiny_fsdp.checkpoint import format as fmt
 from tiny_fsdp.checkpoint.adapters import (
+    Adapter,
     export_param_groups,
     export_pieces,
     import_pieces,
-    make_adapter,
 )
 from tiny_fsdp.checkpoint.agreement import all_ok, gather
 from tiny_fsdp.checkpoint.kinds import save_full, save_sharded
@@ -58,7 +58,7 @@ def save_checkpoint(
     Call on every rank. Raises ``CheckpointError`` on every rank if any rank fails; the
     previous checkpoint at ``path`` then stays intact ([Note: checkpoint directory]).
     """
-    adapter = make_adapter(model, optimizer)
+    adapter = Adapter(model, optimizer)
     rank, world = adapter.rank, adapter.world_size
     os.makedirs(path, exist_ok=True)  # every rank: shards may go to a node-local disk
     common = {
@@ -95,7 +95,7 @@ def load_checkpoint(
     (a different world size has no matching per-rank streams). On error the model and
     optimizer may be partly loaded: load again before training.
     """
-    adapter = make_adapter(model, optimizer)
+    adapter = Adapter(model, optimizer)
     result: Dict[str, Any] = {}
 
     def load() -> None:

@@ -161,11 +161,6 @@ class ZeroWrapper(ReplicatedWrapper):
     # ------------------------------------------------------------------ used by the optimizer
 
     @property
-    def stage(self) -> int:
-        """1 or 2: the label of the gradient store (for messages; nothing branches on it)."""
-        return self.grad_store.stage
-
-    @property
     def grads_reduced(self) -> bool:
         """A synchronised backward reduced gradients that were not cleared since."""
         return self._grads.reduced
