@@ -11,6 +11,9 @@ KIND["reduce"] = "R"
 MiB = 2**20
 
 
+STATES = ("params", "grads", "optimizer")
+
+
 def summarize(
     results: Dict[str, List[dict]], tokens_per_step: int, predicted: Optional[dict] = None
 ) -> Dict[str, dict]:
@@ -29,6 +32,9 @@ def summarize(
         row.update(memory=worst["memory"], comm=per_rank[0]["comm"], losses=per_rank[0]["losses"])
         row["loss_gap"] = None if single is None else abs(row["losses"][-1] - single[-1])
         row["predicted"] = (predicted or {}).get(VARIANTS.get(name, name))
+        # Model states of the rank holding the most (ranks differ under ZeRO-3's partition),
+        # which is what ``predicted`` gives; the worst peak may be another rank's.
+        row["model_states"] = max(sum(r["memory"].get(k, 0) for k in STATES) for r in ranks)
         other = results.get(COUNTERPART.get(name, ""))
         if other is not None:
             row["vs_torch"] = _paired_median(times, other[0]["times"])
@@ -98,7 +104,7 @@ def markdown_table(rows: Dict[str, dict]) -> str:
             _fmt(m.get(k), unit) for k in ("params", "grads", "optimizer", "buffers")
         )
         ratio = f"{r['vs_torch']:.2f}" if "vs_torch" in r else "-"
-        measured = sum(m.get(k) or 0 for k in ("params", "grads", "optimizer"))
+        measured = r["model_states"]
         formula = "" if r["predicted"] is None else f" ({_fmt(r['predicted'], unit)})"
         gap = "-" if r["loss_gap"] is None or name == "single_device" else f"{r['loss_gap']:.1e}"
         lines.append(

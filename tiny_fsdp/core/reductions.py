@@ -45,7 +45,7 @@ is in flight and drops it undelivered (as autograd drops a failed backward's gra
 
 from collections import deque
 from dataclasses import dataclass
-from typing import Deque, Dict, List, Sequence, Tuple
+from typing import Callable, Deque, Dict, List, Sequence, Tuple
 
 import torch
 from torch import nn
@@ -91,6 +91,19 @@ class PendingReductions:
         self._all: List[_Reduction] = []  # launched in this backward, in order
         self._in_flight: Deque[_Reduction] = deque()  # launched, not retired
         self._finalize_queued = False
+        self._at_end: List[Callable[[], None]] = []  # run by finalize before it waits
+
+    def at_end_of_backward(self, callback: Callable[[], None]) -> None:
+        """Run ``callback`` (once) when this backward ends, before ``finalize`` delivers; it may
+        launch more reductions (a strategy's partly filled buffers)."""
+        self._queue_finalize()
+        if callback not in self._at_end:
+            self._at_end.append(callback)
+
+    def _queue_finalize(self) -> None:
+        if not self._finalize_queued:
+            torch.autograd.Variable._execution_engine.queue_callback(self.finalize)
+            self._finalize_queued = True
 
     def launch(
         self,
@@ -104,9 +117,7 @@ class PendingReductions:
         ``launch(async_op)`` calls the collective; ``inputs`` are the tensors it reads, kept
         alive until it is retired; ``parts``: (parameter, slice of the output) pairs.
         """
-        if not self._finalize_queued:
-            torch.autograd.Variable._execution_engine.queue_callback(self.finalize)
-            self._finalize_queued = True
+        self._queue_finalize()
         while len(self._in_flight) >= self.in_flight_limit:
             self._retire(self._in_flight.popleft())
         outputs = _storages([t for _, t in parts])
@@ -131,6 +142,9 @@ class PendingReductions:
     @torch.no_grad()
     def finalize(self) -> None:
         """Wait for every reduction and accumulate the parts into ``.grad`` (end of backward)."""
+        at_end, self._at_end = self._at_end, []
+        for callback in at_end:
+            callback()
         reductions, self._all = self._all, []
         self._finalize_queued = False
         while self._in_flight:
@@ -159,6 +173,7 @@ class PendingReductions:
         for reduction in self._all:
             self.stats.track(-reduction.output_bytes)
         self._all = []
+        self._at_end = []
         self._finalize_queued = False
 
     def _retire(self, reduction: _Reduction) -> None:

@@ -4,18 +4,18 @@
 At wrap time each unique parameter, one at a time, is (materialised from ``meta`` if needed,)
 broadcast from rank 0 and cut to this rank's zero-padded dim-0 shard ([Note: dim-0 shards]); the
 module's ``nn.Parameter`` object is kept with the shard as its data, so tying survives and
-optimizers see shards. The layers are grouped into gather units (one per layer by default,
-[Note: gather units]) and every layer gets an ``FSDPHandler`` ([Note: FSDP layer handler]):
-a unit is all-gathered just before its first layer computes and freed after its last one, in
-forward and again in backward, and each layer launches the reduce-scatter of the averaged
-gradient of its parameters, delivered into ``shard.grad`` when the backward ends ([Note:
-asynchronous reduction]). Between steps a rank holds only shards: parameters, gradients
-and optimizer state are each 1/N of the model (plus padding).
+optimizers see shards. The layers are grouped into gather units (by default the model's repeated
+blocks plus a root unit, [Note: gather units]) and every layer gets an ``FSDPHandler`` ([Note:
+FSDP layer handler]): a unit is all-gathered just before its first layer computes and freed
+after its last one, in forward and again in backward; its layers' gradients are summed and the
+unit launches one reduce-scatter of their average, delivered into ``shard.grad`` when the
+backward ends ([Note: unit reduction], [Note: asynchronous reduction]). Between steps a rank
+holds only shards: parameters, gradients and optimizer state are each 1/N of the model (plus
+padding).
 
 The tied GPT-2 weight stays one Parameter with one shard: with per-layer units ``wte`` and
 ``lm_head`` each gather it and each reduce-scatter their own part of its gradient, summed into
-``.grad``; in one unit (the default layout) it is gathered and reduced once ([Note: tied
-reduction]).
+``.grad``; in one unit (the default layout) it is gathered and reduced once.
 """
 
 from typing import Any, Dict, Iterable, List, Optional, Tuple, Union
@@ -29,6 +29,7 @@ from tiny_fsdp.core.fsdp.handler import FSDPHandler
 from tiny_fsdp.core.fsdp.sharded_param import shard_info, shard_module
 from tiny_fsdp.core.fsdp.state import FSDPState
 from tiny_fsdp.core.fsdp.unit import GatherUnit, unit_layers
+from tiny_fsdp.core.fsdp.unit_grads import UnitGradients
 from tiny_fsdp.core.local_state import LocalPiece
 from tiny_fsdp.core.module.outside_reads import OutsideReadWatch
 from tiny_fsdp.core.precision import MixedPrecisionPolicy
@@ -59,7 +60,7 @@ class FSDP(DataParallelWrapper):
         unit: what is all-gathered together: ``"auto"`` (default: the model's repeated blocks,
             found in its largest ``nn.ModuleList``, else per layer), ``"layer"``, ``"tensor"``,
             or a list of modules (e.g. the transformer blocks; the other layers form a root
-            unit). Gradients are reduce-scattered per layer (per tensor with ``"tensor"``).
+            unit). Gradients are reduce-scattered once per unit (per tensor with ``"tensor"``).
             [Note: gather units]
         mixed_precision: shards are cast to ``param_dtype`` before each all-gather (half the
             gathered bytes with bf16) and gradients reduce-scattered in ``reduce_dtype``; the
@@ -98,9 +99,11 @@ class FSDP(DataParallelWrapper):
         per_tensor = isinstance(unit, str) and unit == "tensor"
         for name, layers in unit_layers(self.module, unit):
             gather_unit = GatherUnit(name, layers, self._state, per_tensor)
+            grads = UnitGradients(name, layers, self._state, per_tensor)
             self._state.units.append(gather_unit)
+            self._state.unit_grads.append(grads)
             for layer in layers:
-                layer.param_handler = FSDPHandler(layer, gather_unit, self._state, per_tensor)
+                layer.param_handler = FSDPHandler(layer, gather_unit, grads, self._state)
         self._reads = OutsideReadWatch(self.module)
 
     @property

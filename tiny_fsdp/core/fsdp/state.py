@@ -36,6 +36,7 @@ class FSDPState(Prefetcher):
         self.require_grad_sync = True
         self.policy: Optional[MixedPrecisionPolicy] = None  # set by FSDP(mixed_precision=...)
         self.units: List[Any] = []  # every GatherUnit of the model
+        self.unit_grads: List[Any] = []  # every unit's UnitGradients, in the same order
         self.streams = CommStreams()  # replaced by ``use_streams`` once the device is known
         self.reductions = PendingReductions(self.streams)  # [Note: asynchronous reduction]
         # Bytes of gathered full parameters alive now / at most since the last reset, and of
@@ -81,8 +82,8 @@ class FSDPState(Prefetcher):
     def pre_forward(self, prefetch: bool, grad_enabled: bool) -> None:
         """A wrapper forward starts: check the last backward, start from resharded units."""
         self.reductions.abandon()  # only a backward that raised leaves any
-        for unit in self.units:
-            unit.tied.check_complete()
+        for grads in self.unit_grads:
+            grads.drop_unfinished()
         self.drop_transients()
         super().pre_forward(prefetch, grad_enabled)
 

@@ -16,10 +16,9 @@ at once. ``FSDP(unit=...)`` offers four:
 
 A unit is unsharded (all-gathered) when the first of its layers fetches and stays full until
 every one of its layers has released it in that pass, then resharded ([Note: glossary]); a
-parameter that appears in several of its layers (a tied weight) is gathered once, and its
-gradient reduced once ([Note: tied reduction]). Other gradients are reduce-scattered per layer
-(``handler.py``), launched as soon as the layer's backward has them and delivered at the end of
-the backward ([Note: asynchronous reduction]).
+parameter that appears in several of its layers (a tied weight) is gathered once. Its
+gradients are summed and reduce-scattered once per unit, when its last layer's backward has
+added them, and delivered at the end of the backward ([Note: unit reduction]).
 
 A single-tensor collective yields the full tensor as a view of the gathered buffer; a
 multi-tensor one is laid out rank-major (rank r's shards of every tensor, then rank r+1's), so
@@ -49,7 +48,6 @@ from torch import nn
 from tiny_fsdp.core import comm
 from tiny_fsdp.core.fsdp.sharded_param import ShardedParam, shard_info
 from tiny_fsdp.core.fsdp.state import FSDPState
-from tiny_fsdp.core.fsdp.tied import TiedReduction
 from tiny_fsdp.core.module.layer import is_layer
 from tiny_fsdp.core.module.handler import Params, TrainingPhase
 from tiny_fsdp.core.streams import GATHER, CommHandle, Launch
@@ -83,7 +81,6 @@ class GatherUnit:
         for param in shards.values():
             groups.setdefault(len(groups) if per_tensor else param.dtype, []).append(param)
         self.groups: List[List[nn.Parameter]] = list(groups.values())
-        self.tied = TiedReduction(self.layers, state)  # parameters several layers here use
         self._full: Optional[Dict[int, torch.Tensor]] = None  # id(shard param) -> full tensor
         self._full_bytes = 0
         # Per phase, ids of the layers done with the full parameters since the unshard, and
@@ -97,9 +94,9 @@ class GatherUnit:
         return sum(world * shard_info(p).shard_numel for group in self.groups for p in group)
 
     # ---------------------------------------------------------------- layer seam
-    def fetch(self, layer: nn.Module, phase: TrainingPhase) -> Params:
-        """The full parameters of ``layer`` (unsharding the unit unless it is full)."""
-        self.state.fetch(self, phase)
+    def hold(self, layer: nn.Module) -> Params:
+        """The full parameters of ``layer``, in use until its ``release`` (the unit is full)."""
+        assert self._full is not None, f"{self.name}: hold() before the unit was unsharded"
         self._holders += 1
         return tuple(
             None if p is None else self._full[id(p)]

@@ -1,0 +1,194 @@
+"""The gradients of one gather unit: summed into one padded buffer, reduce-scattered at once.
+
+[Note: unit reduction]
+A gather unit's layers ([Note: gather units]) hand their full gradients to the unit's
+``UnitGradients`` as their backward produces them (``add``). Each is written (or, for a
+parameter that several layers of the unit use, a tied weight, added) into one rank-major
+buffer per dtype, shape (world_size, numel): row r is what rank r's shards receive, padding
+rows zero. When every layer of the unit that has a trainable parameter has added its part, the
+buffer is divided by world_size and reduce-scattered: a SUM of pre-divided gradients is the
+average, on any backend. The collective is launched, not waited for; slices of its output are
+this rank's shard gradients, delivered into ``.grad`` at the end of the backward ([Note:
+asynchronous reduction]).
+
+One collective per unit (and dtype), like FSDP2's per-module reduce-scatter: with per-block
+units (the default) a GPT-2 step issues n_layer + 1 reduce-scatters instead of one per layer,
+and a tied weight's gradient travels once. ``unit="tensor"`` keeps one per tensor.
+
+End of the backward. A unit whose layers did not all add (a layer whose output did not reach
+the loss, a layer called twice whose second backward comes after the launch) is launched by
+``end_of_backward``, which the reductions run before delivering ([Note: asynchronous
+reduction]): what was added is reduced, nothing is lost. A parameter with no gradient on this
+rank gets no part (its ``.grad`` is left alone); its columns are zero. All ranks run the same
+graph, so they issue the same collectives in the same order.
+
+``no_sync``: nothing is launched; the buffer is kept (in the parameters' dtype, fp32, like
+``.grad``) and the next synchronised backward adds to it, then casts it once to the policy's
+``reduce_dtype`` before its reduce-scatter. A synchronised backward writes directly in
+``reduce_dtype``.
+
+Memory: the buffer of the unit being filled is counted with the reductions in flight
+(``ReduceStats``) from its allocation; one kept across ``no_sync`` backwards is counted in the
+state's ``accumulated_bytes``.
+"""
+
+from typing import Dict, List, Optional, Sequence, Set, Tuple
+
+import torch
+from torch import nn
+
+from tiny_fsdp.core.fsdp.sharded_param import ShardedParam, shard_info
+from tiny_fsdp.core.fsdp.state import FSDPState
+from tiny_fsdp.core.module.handler import Params
+
+Column = Tuple[int, int, ShardedParam]  # (group index, first column, shard geometry)
+
+
+class UnitGradients:
+    """Sum-then-reduce-scatter of one gather unit's gradients ([Note: unit reduction])."""
+
+    def __init__(
+        self, name: str, layers: Sequence[nn.Module], state: FSDPState, per_tensor: bool = False
+    ) -> None:
+        self.name = name
+        self.layers = list(layers)
+        self.state = state
+        self.per_tensor = per_tensor
+        self._key: Optional[Tuple[bool, ...]] = None  # requires_grad flags the layout is for
+        self._groups: List[List[nn.Parameter]] = []
+        self._columns: Dict[int, Column] = {}  # id(param) -> where its gradient goes
+        self._expected: Set[int] = set()  # ids of the layers with a trainable parameter
+        self._buffers: Optional[List[torch.Tensor]] = None  # per group: (world, group numel)
+        self._written: Set[int] = set()  # ids of the parameters with a gradient in the buffers
+        self._added: Set[int] = set()  # ids of the layers that added in this backward
+        self._kept_bytes = 0  # buffers kept across no_sync backwards (accumulated_bytes)
+        self._live_bytes = 0  # buffers being filled (counted with the reductions)
+
+    def add(self, layer: nn.Module, grads: Params) -> None:
+        """Write ``layer``'s full gradients (``layer.param_names`` order) into the buffers."""
+        state = self.state
+        state.reductions.at_end_of_backward(self.end_of_backward)
+        self._added.add(id(layer))
+        if all(grad is None for grad in grads):
+            return  # e.g. a layer whose parameters are all frozen
+        if self._buffers is None:
+            self._allocate(grads)
+        elif self._kept_bytes:  # a no_sync sum is being added to
+            state.track_accumulated(-self._kept_bytes)
+            state.reductions.stats.track(self._kept_bytes)
+            self._live_bytes, self._kept_bytes = self._kept_bytes, 0
+        world = state.world_size
+        for name, grad in zip(layer.param_names, grads):
+            if grad is None:
+                continue
+            param = getattr(layer, name)
+            index, start, info = self._columns[id(param)]
+            grid = self._buffers[index].view(world, -1)
+            columns = grid[:, start : start + info.shard_numel]
+            info.copy_in(grad, columns, accumulate=id(param) in self._written)
+            self._written.add(id(param))
+        if state.require_grad_sync and self._expected <= self._added:
+            self._launch()
+
+    def end_of_backward(self) -> None:
+        """Launch what a synchronised backward added; keep a no_sync sum for the next one."""
+        self._added.clear()
+        if self._buffers is None:
+            return
+        if self.state.require_grad_sync:
+            self._launch()
+        elif self._live_bytes:
+            self.state.reductions.stats.track(-self._live_bytes)
+            self.state.track_accumulated(self._live_bytes)
+            self._kept_bytes, self._live_bytes = self._live_bytes, 0
+
+    def drop_unfinished(self) -> None:
+        """Forget the sums of a backward that raised before its end (kept no_sync sums stay)."""
+        if self._live_bytes:
+            self.discard()
+
+    def discard(self) -> None:
+        """Forget every sum."""
+        self.state.track_accumulated(-self._kept_bytes)
+        self.state.reductions.stats.track(-self._live_bytes)
+        self._buffers, self._kept_bytes, self._live_bytes = None, 0, 0
+        self._written.clear()
+        self._added.clear()
+
+    # ---------------------------------------------------------------- internals
+    def _allocate(self, grads: Params) -> None:
+        """Lay out the trainable parameters (again if requires_grad changed); new buffers."""
+        params = self._params()
+        key = tuple(p.requires_grad for p in params)
+        if key != self._key:
+            self._layout([p for p in params if p.requires_grad])
+            self._key = key
+        world, sync = self.state.world_size, self.state.require_grad_sync
+        like = next(g for g in grads if g is not None)
+        self._buffers = []
+        for group in self._groups:
+            dtype = self.state.reduce_dtype(group[0].dtype) if sync else group[0].dtype
+            numel = sum(shard_info(p).shard_numel for p in group)
+            self._buffers.append(like.new_empty(world * numel, dtype=dtype))
+        self._live_bytes = sum(_nbytes(b) for b in self._buffers)
+        self.state.reductions.stats.track(self._live_bytes)
+
+    def _params(self) -> List[nn.Parameter]:
+        """The unit's parameters, each once, in layer order."""
+        params: Dict[int, nn.Parameter] = {}
+        for layer in self.layers:
+            for name in layer.param_names:
+                param = getattr(layer, name)
+                if param is not None:
+                    params.setdefault(id(param), param)
+        return list(params.values())
+
+    def _layout(self, trainable: List[nn.Parameter]) -> None:
+        groups: Dict[object, List[nn.Parameter]] = {}
+        for param in trainable:
+            groups.setdefault(len(groups) if self.per_tensor else param.dtype, []).append(param)
+        self._groups = list(groups.values())
+        self._columns = {}
+        for index, group in enumerate(self._groups):
+            start = 0
+            for param in group:
+                info = shard_info(param)
+                self._columns[id(param)] = (index, start, info)
+                start += info.shard_numel
+        ids = {id(p) for p in trainable}
+        self._expected = {
+            id(layer)
+            for layer in self.layers
+            if any(id(getattr(layer, n)) in ids for n in layer.param_names)
+        }
+
+    def _launch(self) -> None:
+        """Average and reduce-scatter every buffer; the written parameters get their parts."""
+        state, world = self.state, self.state.world_size
+        buffers, written = self._buffers, self._written
+        state.reductions.stats.track(-self._live_bytes)  # launch counts them as inputs
+        self._buffers, self._written, self._added, self._live_bytes = None, set(), set(), 0
+        for group, buffer in zip(self._groups, buffers):
+            parts, start = [], 0
+            grid = buffer.view(world, -1)
+            for param in group:
+                info = shard_info(param)
+                if id(param) not in written:
+                    grid[:, start : start + info.shard_numel].zero_()
+                start += info.shard_numel
+            buffer = buffer.to(state.reduce_dtype(group[0].dtype))  # a no_sync fp32 sum: cast
+            buffer.div_(world)  # SUM of grad / world == average, on every backend
+            reduced = buffer.new_empty(start)  # (numel,): this rank's shards, concatenated
+            offset = 0
+            for param in group:
+                info = shard_info(param)
+                if id(param) in written:
+                    shard_grad = reduced[offset : offset + info.shard_numel]
+                    parts.append((param, shard_grad.view(info.shard_shape)))
+                offset += info.shard_numel
+            del grid
+            state.launch_reduce_scatter(reduced, buffer, parts)
+
+
+def _nbytes(tensor: torch.Tensor) -> int:
+    return tensor.numel() * tensor.element_size()
