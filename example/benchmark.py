@@ -22,7 +22,9 @@ parts live in ``example/bench/``.
   ZeRO; ZeRO-3 | FSDP | torch FSDP2): the members of a phase live in the same processes and take
   turns step by step, the order flipping every round, so load changes on the machine hit them
   alike; a phase's models are freed before the next is built (memory). Single device trains the
-  global batch on rank 0 alone.
+  global batch on rank 0 alone. ``--one_phase`` puts every selected strategy in one phase and
+  adds each one's paired ratio to our DDP (the floor a sharded strategy can reach: its extra
+  collectives hidden behind compute).
 - Every strategy trains ``warmup + steps + 1`` steps on the same batches. A timed step is forward,
   backward, optimizer step and zero_grad between a barrier and the slowest rank's end; reported:
   median and min-max over the ``steps`` measured ones, tokens/s of the global batch, and the
@@ -77,6 +79,11 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     p.add_argument("--model", default="gpt2_mini", choices=models)
     p.add_argument("--strategies", default="", help=f"comma-separated, of {','.join(NAMES)}")
     p.add_argument("--compare", action="store_true", help="add each one's PyTorch counterpart")
+    p.add_argument(
+        "--one_phase",
+        action="store_true",
+        help="all strategies interleaved in one phase; adds each one's ratio to our ddp",
+    )
     p.add_argument("--steps", type=int, default=20, help="measured steps per strategy")
     p.add_argument("--warmup", type=int, default=2, help="unmeasured steps first (>= 1)")
     p.add_argument("--batch_size", type=int, default=2, help="sequences per rank")
@@ -98,7 +105,7 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     if args.warmup < 1 or args.steps < 1:
         p.error("--warmup and --steps must be >= 1 (the first step creates optimizer state)")
     try:
-        select_phases(args.strategies, args.compare)
+        select_phases(args.strategies, args.compare, args.one_phase)
     except ValueError as e:
         p.error(str(e))
     return args
@@ -132,7 +139,7 @@ def main(argv: Optional[List[str]] = None) -> None:
             meta = spec.make()
         estimates = estimate_model(meta, env.world_size, "fp32", args.optimizer)
         predicted = {k: max(r.model_states for r in v) for k, v in estimates.items()}
-        rows = summarize(results, tokens, predicted)
+        rows = summarize(results, tokens, predicted, floor="ddp" if args.one_phase else None)
         os.makedirs(args.out, exist_ok=True)
         header = header_line(
             args, spec.num_parameters(), env.world_size, env.device.type, dist.get_backend(), loads

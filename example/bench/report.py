@@ -15,12 +15,17 @@ STATES = ("params", "grads", "optimizer")
 
 
 def summarize(
-    results: Dict[str, List[dict]], tokens_per_step: int, predicted: Optional[dict] = None
+    results: Dict[str, List[dict]],
+    tokens_per_step: int,
+    predicted: Optional[dict] = None,
+    floor: Optional[str] = None,
 ) -> Dict[str, dict]:
     """Per strategy: the figures of the table (memory of the rank with the highest peak).
     ``predicted``: strategy -> model-state bytes from ``tiny_fsdp.estimate`` (largest rank).
     ``vs_torch``: the median over rounds of (our step time / the PyTorch counterpart's);
-    ``vs_variants``: variant -> the same median of (this strategy's / the variant's)."""
+    ``vs_variants``: variant -> the same median of (this strategy's / the variant's);
+    ``floor``: a strategy measured in the same phase as all others, whose same median is added
+    to every other row as ``vs_floor`` (with its name, ``floor``)."""
     rows: Dict[str, dict] = {}
     single = results.get("single_device", [{}])[0].get("losses")
     for name, per_rank in results.items():
@@ -43,6 +48,8 @@ def summarize(
             row["vs_variants"] = {
                 v: _paired_median(times, r[0]["times"]) for v, r in variants.items()
             }
+        if floor in results and name != floor:
+            row["vs_floor"] = (floor, _paired_median(times, results[floor][0]["times"]))
         rows[name] = row
     return rows
 
@@ -53,10 +60,15 @@ def _paired_median(times: List[float], others: List[float]) -> float:
 
 def ratio_lines(rows: Dict[str, dict]) -> str:
     """One line per (strategy, variant) measured together: the paired median step-time ratio."""
-    return "\n".join(
-        f"{name} / {variant}: {ratio:.2f} x step time (median of per-round ratios)"
+    pairs = [
+        (name, variant, ratio)
         for name, row in rows.items()
         for variant, ratio in row.get("vs_variants", {}).items()
+    ]
+    pairs += [(name, *row["vs_floor"]) for name, row in rows.items() if "vs_floor" in row]
+    return "\n".join(
+        f"{name} / {other}: {ratio:.2f} x step time (median of per-round ratios)"
+        for name, other, ratio in pairs
     )
 
 

@@ -49,9 +49,12 @@ COUNTERPART = {"ddp": "torch_ddp", "zero1": "torch_zero", "zero2": "torch_zero"}
 COUNTERPART.update(zero3="torch_fsdp2", fsdp="torch_fsdp2", fsdp_wrapped="torch_fsdp2")
 
 
-def select_phases(strategies: Sequence[str], compare: bool) -> List[List[str]]:
+def select_phases(
+    strategies: Sequence[str], compare: bool, one_phase: bool = False
+) -> List[List[str]]:
     """The phases restricted to ``strategies`` (all if empty), plus each one's PyTorch
-    counterpart if ``compare``; in the order of ``PHASES``."""
+    counterpart if ``compare``; in the order of ``PHASES``. ``one_phase``: all of them in one
+    phase, taking turns step by step (e.g. FSDP against our DDP, the floor)."""
     unknown = sorted(set(strategies) - set(NAMES))
     if unknown:
         raise ValueError(f"unknown strategies {unknown}; choose from {NAMES}")
@@ -63,6 +66,8 @@ def select_phases(strategies: Sequence[str], compare: bool) -> List[List[str]]:
         for phase in PHASES
     ]
     phases = [[name for name in phase if name in chosen] for phase in with_variants]
+    if one_phase:
+        phases = [[name for phase in phases for name in phase]]
     return [phase for phase in phases if phase]
 
 
@@ -180,7 +185,7 @@ def run_phases(
     from tqdm import tqdm
 
     warm_up_libraries(env)
-    phases = select_phases(args.strategies, args.compare)
+    phases = select_phases(args.strategies, args.compare, args.one_phase)
     total = sum(len(phase) for phase in phases) * (args.warmup + args.steps + 1)
     bar = tqdm(total=total, disable=not env.is_master, file=sys.stderr, dynamic_ncols=True)
     results: Dict[str, List[dict]] = {}

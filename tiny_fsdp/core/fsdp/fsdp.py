@@ -18,26 +18,25 @@ The tied GPT-2 weight stays one Parameter with one shard: with per-layer units `
 ``.grad``; in one unit (the default layout) it is gathered and reduced once.
 """
 
-from typing import Any, Dict, Iterable, List, Optional, Tuple, Union
+from typing import Dict, Iterable, List, Optional, Tuple, Union
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
 from tiny_fsdp.core import comm, streams
+from tiny_fsdp.core.fetching_wrapper import FetchingWrapper
 from tiny_fsdp.core.fsdp.handler import FSDPHandler
 from tiny_fsdp.core.fsdp.sharded_param import shard_info, shard_module
 from tiny_fsdp.core.fsdp.state import FSDPState
 from tiny_fsdp.core.fsdp.unit import GatherUnit, unit_layers
 from tiny_fsdp.core.fsdp.unit_grads import UnitGradients
 from tiny_fsdp.core.local_state import LocalPiece
-from tiny_fsdp.core.module.outside_reads import OutsideReadWatch
 from tiny_fsdp.core.precision import MixedPrecisionPolicy
 from tiny_fsdp.core.utils.dist import require_process_group
-from tiny_fsdp.core.wrapper import DataParallelWrapper
 
 
-class FSDP(DataParallelWrapper):
+class FSDP(FetchingWrapper):
     """Fully sharded data parallel wrapper ([Note: FSDP]).
 
     Args:
@@ -104,7 +103,7 @@ class FSDP(DataParallelWrapper):
             self._state.unit_grads.append(grads)
             for layer in layers:
                 layer.param_handler = FSDPHandler(layer, gather_unit, grads, self._state)
-        self._reads = OutsideReadWatch(self.module)
+        self.fetch_through(self._state)
 
     @property
     def units(self) -> List[GatherUnit]:
@@ -121,23 +120,12 @@ class FSDP(DataParallelWrapper):
         self._state.require_grad_sync = bool(value)
 
     @property
-    def prefetch_limit(self) -> int:
-        return self._state.prefetch_limit
-
-    @property
     def world_size(self) -> int:
         return self._state.world_size
 
     @property
     def rank(self) -> int:
         return self._state.rank
-
-    def forward(self, *args: Any, **kwargs: Any) -> Any:
-        self._state.pre_forward(self.enable_async_communication, torch.is_grad_enabled())
-        try:
-            return self._reads(lambda: self.module(*args, **kwargs))  # [Note: outside reads]
-        finally:
-            self._state.post_forward()
 
     # ---------------------------------------------------------------- memory
     def memory_stats(self) -> Dict[str, int]:

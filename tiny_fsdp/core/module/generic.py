@@ -55,8 +55,9 @@ from typing import Any, Dict, Iterator, List, Optional, Tuple
 import torch
 from torch import nn
 
+from tiny_fsdp.core.module.full_param import FullParam
 from tiny_fsdp.core.module.handler import LOCAL_HANDLER, TrainingPhase
-from tiny_fsdp.core.module.layer import local_param, strategy_code, swap_in, swap_out
+from tiny_fsdp.core.module.layer import strategy_code, swap_in, swap_out
 
 FORWARD, BACKWARD = TrainingPhase.FORWARD, TrainingPhase.BACKWARD
 
@@ -65,59 +66,6 @@ _LAYERS: "weakref.WeakKeyDictionary[nn.Module, GenericLayer]" = weakref.WeakKeyD
 
 class UnsupportedModuleError(TypeError):
     """A module that no tiny_fsdp path can train; the message says what to do."""
-
-
-class FullParam:
-    """One parameter a generic layer computes with ([Note: generic layer]).
-
-    Attributes:
-        local: the parameter the strategy keeps (full, a dim-0 shard, or empty).
-        owner: the layer whose handler fetches and reduces it; ``slot``: its index in
-            ``owner.param_names``.
-        holders: ``(module, attribute)`` registrations swapped to ``full`` while computing.
-        full: full-shape tensor object, storage empty when not in use; made at first fill.
-    """
-
-    def __init__(self, name: str, owner: nn.Module, slot: int) -> None:
-        self.name = name
-        self.owner = owner
-        self.slot = slot
-        self.holders: List[Tuple[nn.Module, str]] = []
-        self.full: Optional[nn.Parameter] = None
-
-    @property
-    def local(self) -> nn.Parameter:
-        # Looked up, not stored: a strategy may replace the object (a meta parameter made real).
-        return local_param(self.owner, self.owner.param_names[self.slot])
-
-    def fill(self, source: torch.Tensor) -> bool:
-        """Copy ``source`` into the full storage; True if a new full object had to be made."""
-        full, made = self.full, False
-        if (
-            full is None
-            or full.shape != source.shape
-            or full.dtype != source.dtype
-            or full.device != source.device
-            or full.requires_grad != self.local.requires_grad
-        ):
-            full = torch.empty(source.shape, dtype=source.dtype, device=source.device)
-            self.full = full = nn.Parameter(full, requires_grad=self.local.requires_grad)
-            made = True
-        nbytes = full.numel() * full.element_size()
-        storage = full.untyped_storage()
-        if storage.size() != nbytes:
-            storage.resize_(nbytes)
-        with torch.no_grad():
-            full.data.copy_(source)  # .data: the version counter does not move
-        return made
-
-    def free(self) -> None:
-        if self.full is not None:
-            self.full.untyped_storage().resize_(0)
-
-    @property
-    def is_full(self) -> bool:
-        return self.full is not None and self.full.untyped_storage().size() > 0
 
 
 class GenericLayer:

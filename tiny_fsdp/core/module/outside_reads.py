@@ -36,7 +36,8 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 
 from tiny_fsdp.core.module.base import CallbackModule
-from tiny_fsdp.core.module.generic import FullParam, reader_layer
+from tiny_fsdp.core.module.full_param import FullParam
+from tiny_fsdp.core.module.generic import reader_layer
 from tiny_fsdp.core.module.layer import (
     in_strategy_code,
     is_layer,

@@ -14,7 +14,7 @@ from torch import Tensor
 
 from tiny_fsdp.core.optim import SGD, AdamW, normalize_param_group
 from tiny_fsdp.core.utils.dist import require_process_group
-from tiny_fsdp.core.zero3.handler import ATTR, TensorInfo
+from tiny_fsdp.core.zero3.runtime import ATTR, TensorInfo
 
 
 class _Zero3Params:

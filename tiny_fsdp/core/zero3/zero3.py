@@ -25,17 +25,17 @@ import torch.distributed as dist
 from torch import nn
 
 from tiny_fsdp.core import comm, streams
+from tiny_fsdp.core.fetching_wrapper import FetchingWrapper
 from tiny_fsdp.core.local_state import LocalPiece
 from tiny_fsdp.core.meta_buffers import has_meta_buffers, materialize_buffers
 from tiny_fsdp.core.module import is_layer
-from tiny_fsdp.core.module.outside_reads import OutsideReadWatch
 from tiny_fsdp.core.precision import MixedPrecisionPolicy
 from tiny_fsdp.core.reductions import ReduceStats
-from tiny_fsdp.core.wrapper import DataParallelWrapper
-from tiny_fsdp.core.zero3.handler import ATTR, FetchStats, TensorInfo, Zero3Handler, Zero3Runtime
+from tiny_fsdp.core.zero3.handler import Zero3Handler
+from tiny_fsdp.core.zero3.runtime import ATTR, FetchStats, TensorInfo, Zero3Runtime
 
 
-class Zero3(DataParallelWrapper):
+class Zero3(FetchingWrapper):
     """ZeRO-3 inter-tensor data parallelism ([Note: zero3 inter-tensor]).
 
     Args:
@@ -104,8 +104,8 @@ class Zero3(DataParallelWrapper):
         self._runtime.use_streams(streams.streams_for(self.device))
         for layer in self.module.modules():
             if is_layer(layer):
-                Zero3Handler(self._runtime).attach(layer)
-        self._reads = OutsideReadWatch(self.module)
+                Zero3Handler(layer, self._runtime)
+        self.fetch_through(self._runtime)
 
     @property
     def fetch_stats(self) -> FetchStats:
@@ -117,10 +117,6 @@ class Zero3(DataParallelWrapper):
         """Bytes of gradient reduction buffers in flight on this rank ([Note: asynchronous
         reduction]): live, peak, and the largest reduction's input."""
         return self._runtime.reductions.stats
-
-    @property
-    def prefetch_limit(self) -> int:
-        return self._runtime.prefetch_limit
 
     @property
     def prefetch_depth(self) -> int:
@@ -136,11 +132,7 @@ class Zero3(DataParallelWrapper):
         # Gradient sync is decided at forward time, like torch DDP: a forward run inside
         # no_sync() accumulates in its backward even if backward runs outside the block.
         self._runtime.sync_grads = self.require_backward_grad_sync
-        self._runtime.pre_forward(self.enable_async_communication, torch.is_grad_enabled())
-        try:
-            return self._reads(lambda: self.module(*args, **kwargs))  # [Note: outside reads]
-        finally:
-            self._runtime.post_forward()
+        return super().forward(*args, **kwargs)
 
     @torch.no_grad()
     def _materialize(
