@@ -17,7 +17,7 @@ from tests.harness import run_distributed
 from tests.parity import global_batch, lm_loss, local_slice, make_model
 from tiny_fsdp.core import streams
 from tiny_fsdp.core.fsdp import FSDP, FSDPAdamW
-from tiny_fsdp.core.fsdp.unit import unit_layers
+from tiny_fsdp.core.unit_layout import unit_layers
 from tiny_fsdp.core.memory import memory_ledger
 from tiny_fsdp.core.module import convert_module
 from tiny_fsdp.core.reductions import PendingReductions

@@ -681,7 +681,7 @@ def test_gradient_checkpointing_with_prefetch_is_bitwise_identical() -> None:
 
 
 def test_unit_layers_groups_listed_modules_and_a_root() -> None:
-    from tiny_fsdp.core.fsdp.unit import unit_layers
+    from tiny_fsdp.core.unit_layout import unit_layers
     from tiny_fsdp.core.module import convert_module
 
     model = convert_module(make_model(0, CFG))

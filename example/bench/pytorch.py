@@ -16,7 +16,7 @@ import torch.distributed as dist
 from torch import nn
 
 from example.strategies import decayed_names, param_groups
-from tiny_fsdp.core.fsdp.unit import repeated_blocks
+from tiny_fsdp.core.unit_layout import repeated_blocks
 from tiny_fsdp.core.utils.dist import DistEnv
 
 TORCH_STRATEGIES = ("torch_ddp", "torch_zero", "torch_fsdp2")

@@ -72,6 +72,7 @@ class Prefetcher:
 
     Attributes:
         prefetch_limit: at most this many prefetched unshards unconsumed at once (>= 1).
+        reshard_after_forward: False keeps every unit full from its forward to its backward.
         orders: part of the pass -> its recorded order of units (the backward one guessed
             until a backward has run).
     """
@@ -80,6 +81,7 @@ class Prefetcher:
         if prefetch_limit < 1:
             raise ValueError(f"prefetch_limit must be >= 1, got {prefetch_limit}")
         self.prefetch_limit = prefetch_limit
+        self.reshard_after_forward = True
         self.orders: Dict[TrainingPhase, List[Unit]] = {}
         self._prefetch = False  # the wrapper's async switch, read at each forward
         self._in_forward = False
@@ -114,6 +116,17 @@ class Prefetcher:
             self._backward_guessed = True
         if self._backward_guessed and self._grad_forward:
             self._recording[BACKWARD] = []
+
+    def keeps_after_forward(self, unit: Unit) -> bool:
+        """Whether ``unit`` stays full after its forward releases: the unit that comes first in
+        backward, after a forward with grad enabled (its backward follows at once, so
+        resharding it would only mean unsharding it again; FSDP2 does the same for its root),
+        or every unit with ``reshard_after_forward=False``."""
+        if not self._grad_forward:
+            return False
+        backward = self.orders.get(BACKWARD)
+        first_in_backward = bool(backward) and unit is backward[0]
+        return first_in_backward or not self.reshard_after_forward
 
     @property
     def async_comm(self) -> bool:

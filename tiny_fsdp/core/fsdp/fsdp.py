@@ -29,8 +29,9 @@ from tiny_fsdp.core.fetching_wrapper import FetchingWrapper
 from tiny_fsdp.core.fsdp.handler import FSDPHandler
 from tiny_fsdp.core.fsdp.sharded_param import shard_info, shard_module
 from tiny_fsdp.core.fsdp.state import FSDPState
-from tiny_fsdp.core.fsdp.unit import GatherUnit, unit_layers
-from tiny_fsdp.core.fsdp.unit_grads import UnitGradients
+from tiny_fsdp.core.fsdp.unit import GatherUnit
+from tiny_fsdp.core.unit_layout import unit_layers
+from tiny_fsdp.core.fsdp.grads import ReduceScatterGrads
 from tiny_fsdp.core.local_state import LocalPiece
 from tiny_fsdp.core.precision import MixedPrecisionPolicy
 from tiny_fsdp.core.utils.dist import require_process_group
@@ -98,7 +99,7 @@ class FSDP(FetchingWrapper):
         per_tensor = isinstance(unit, str) and unit == "tensor"
         for name, layers in unit_layers(self.module, unit):
             gather_unit = GatherUnit(name, layers, self._state, per_tensor)
-            grads = UnitGradients(name, layers, self._state, per_tensor)
+            grads = ReduceScatterGrads(name, layers, self._state, per_tensor)
             self._state.units.append(gather_unit)
             self._state.unit_grads.append(grads)
             for layer in layers:

@@ -15,16 +15,17 @@ shards]) and it belongs to one gather unit ([Note: gather units]). The handler o
 
 A walk of one parameter through a step: ``fsdp.py`` (wrap: shard, build units and handlers)
 -> ``module/base.py`` or ``module/generic.py`` (the layer) -> this file -> ``prefetch.py`` ->
-``unit.py`` (all-gather) in forward and backward; -> ``unit_grads.py`` -> ``state.py`` ->
-``reductions.py`` (reduce-scatter, delivery) in backward; ``optim.py`` (step on the shard).
+``unit.py`` (all-gather) in forward and backward; -> ``core/unit_grads.py`` -> ``grads.py`` ->
+``state.py`` -> ``reductions.py`` (reduce-scatter, delivery) in backward; ``optim.py`` (step
+on the shard).
 """
 
 from torch import nn
 
 from tiny_fsdp.core.fsdp.state import FSDPState
 from tiny_fsdp.core.fsdp.unit import GatherUnit
-from tiny_fsdp.core.fsdp.unit_grads import UnitGradients
 from tiny_fsdp.core.module.handler import ParamHandler, Params, TrainingPhase
+from tiny_fsdp.core.unit_grads import UnitGradients
 
 
 class FSDPHandler(ParamHandler):

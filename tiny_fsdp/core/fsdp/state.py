@@ -1,10 +1,7 @@
 """State shared by the gather units of one FSDP model: switches, prefetch, byte counters.
 
-The order of units and the prefetch of the next ones are the shared ``Prefetcher``'s ([Note:
-prefetch]); what FSDP adds is which unit stays full after forward. The unit that comes first in
-backward is not resharded after a forward with grad enabled: its backward follows at once, so
-resharding it would only mean gathering it again (FSDP2 does the same for its root). With
-``reshard_after_forward=False`` no unit is resharded until its backward.
+The order of units, the prefetch of the next ones and which unit stays full after forward are
+the shared ``Prefetcher``'s ([Note: prefetch]); the state adds the switches and byte counters.
 """
 
 from typing import Any, List, Optional, Sequence
@@ -12,7 +9,6 @@ from typing import Any, List, Optional, Sequence
 import torch
 
 from tiny_fsdp.core import comm
-from tiny_fsdp.core.module.handler import TrainingPhase
 from tiny_fsdp.core.precision import MixedPrecisionPolicy
 from tiny_fsdp.core.prefetch import Prefetcher
 from tiny_fsdp.core.reductions import Part, PendingReductions
@@ -86,14 +82,6 @@ class FSDPState(Prefetcher):
             grads.drop_unfinished()
         self.drop_transients()
         super().pre_forward(prefetch, grad_enabled)
-
-    def keeps_after_forward(self, unit: Any) -> bool:
-        """Whether ``unit`` stays full after a forward fetch is released."""
-        if not self._grad_forward:
-            return False
-        backward = self.orders.get(TrainingPhase.BACKWARD)
-        first_in_backward = bool(backward) and unit is backward[0]
-        return first_in_backward or not self.reshard_after_forward
 
     def drop_transients(self) -> None:
         """Discard unconsumed prefetches and reshard units kept full from an earlier pass."""

@@ -40,7 +40,7 @@ at 0.95 x FSDP2's step time and ZeRO-3 at 1.03 x (median of per-round ratios), o
 whose load average was 7-13 on 2 cores: per-step times spread by 2x, so these are rough.
 """
 
-from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple, Union
+from typing import Any, Dict, List, Sequence, Tuple
 
 import torch
 from torch import nn
@@ -48,26 +48,24 @@ from torch import nn
 from tiny_fsdp.core import comm
 from tiny_fsdp.core.fsdp.sharded_param import ShardedParam, shard_info
 from tiny_fsdp.core.fsdp.state import FSDPState
-from tiny_fsdp.core.module.layer import is_layer
-from tiny_fsdp.core.module.handler import Params, TrainingPhase
+from tiny_fsdp.core.full_unit import FullUnit
 from tiny_fsdp.core.streams import GATHER, CommHandle, Launch
 
 # One collective per entry: (handle, output (world * numel,), input kept alive until waited).
 PendingGather = List[Tuple[CommHandle, torch.Tensor, torch.Tensor]]
 
 
-class GatherUnit:
-    """Unshards, holds and reshards the full parameters of ``layers`` ([Note: gather units]).
+class GatherUnit(FullUnit):
+    """Unshards and reshards the full parameters of ``layers`` ([Note: gather units]).
 
-    Implements the prefetcher's ``Unit`` verbs ([Note: prefetch]) with all-gathers of shards.
+    Implements the prefetcher's ``Unit`` verbs ([Note: prefetch]) with all-gathers of shards;
+    holding and releasing are ``FullUnit``'s ([Note: full units]).
     """
 
     def __init__(
         self, name: str, layers: Sequence[nn.Module], state: FSDPState, per_tensor: bool = False
     ) -> None:
-        self.name = name
-        self.state = state
-        self.layers = list(layers)
+        super().__init__(name, layers, state)
         shards: Dict[int, nn.Parameter] = {}  # the local parameters, each once
         for layer in self.layers:
             for param_name in layer.param_names:
@@ -81,48 +79,14 @@ class GatherUnit:
         for param in shards.values():
             groups.setdefault(len(groups) if per_tensor else param.dtype, []).append(param)
         self.groups: List[List[nn.Parameter]] = list(groups.values())
-        self._full: Optional[Dict[int, torch.Tensor]] = None  # id(shard param) -> full tensor
         self._full_bytes = 0
-        # Per phase, ids of the layers done with the full parameters since the unshard, and
-        # how many fetches are computing with them now (a recomputation nests in a backward).
-        self._released: Dict[TrainingPhase, set] = {phase: set() for phase in TrainingPhase}
-        self._holders = 0
 
     def gathered_numel(self) -> int:
         """Elements of the padded all-gather outputs of one gather of this unit."""
         world = self.state.world_size
         return sum(world * shard_info(p).shard_numel for group in self.groups for p in group)
 
-    # ---------------------------------------------------------------- layer seam
-    def hold(self, layer: nn.Module) -> Params:
-        """The full parameters of ``layer``, in use until its ``release`` (the unit is full)."""
-        assert self._full is not None, f"{self.name}: hold() before the unit was unsharded"
-        self._holders += 1
-        return tuple(
-            None if p is None else self._full[id(p)]
-            for p in (getattr(layer, n) for n in layer.param_names)
-        )
-
-    def release(self, layer: nn.Module, phase: TrainingPhase) -> None:
-        """``layer`` is done; reshard once all layers are done in this phase and none computes.
-
-        Per phase, so that the forward fetches of a recomputation inside the backward (gradient
-        checkpointing) do not count as the backward's; a unit kept after forward (see
-        ``FSDPState``) is not resharded by forward releases.
-        """
-        self._holders -= 1
-        if phase is TrainingPhase.FORWARD and self.state.keeps_after_forward(self):
-            return
-        released = self._released[phase]
-        released.add(id(layer))
-        if self._holders == 0 and len(released) == len(self.layers):
-            self.reshard()
-
     # ---------------------------------------------------------------- unit verbs
-    @property
-    def is_unsharded(self) -> bool:
-        return self._full is not None
-
     def unshard(self, async_op: bool) -> PendingGather:
         """Start (or run) one all-gather per group; counted in the state's gathered bytes."""
         pending: PendingGather = []
@@ -159,8 +123,8 @@ class GatherUnit:
                 full[id(param)] = tensor
                 offset += info.shard_numel
             self.state.track_gathered(-_nbytes(out))  # the rank-major buffer dies here
-        self._full, self._full_bytes = full, full_bytes
-        self._clear_released()
+        self._full_bytes = full_bytes
+        self.set_full(full)
 
     def discard(self, pending: PendingGather) -> None:
         """Forget a prefetch that will not be used, once its collective has finished."""
@@ -168,69 +132,9 @@ class GatherUnit:
             self.state.streams.wait(handle)
             self.state.track_gathered(-_nbytes(out))
 
-    def reshard(self) -> None:
-        """Free the full parameters (back to shards only)."""
-        if self._full is not None:
-            self._full = None
-            self.state.track_gathered(-self._full_bytes)
-            self._full_bytes = 0
-        self._clear_released()
-
-    def _clear_released(self) -> None:
-        for released in self._released.values():
-            released.clear()
-
-
-def unit_layers(
-    root: nn.Module, unit: Union[str, Iterable[nn.Module]]
-) -> List[Tuple[str, List[nn.Module]]]:
-    """``(name, layers)`` of every gather unit, in module order ([Note: gather units])."""
-    names = {id(m): path or "<root>" for path, m in root.named_modules()}
-    layers = [m for m in root.modules() if is_layer(m)]
-    if isinstance(unit, str) and unit == "auto":
-        blocks = repeated_blocks(root)
-        if blocks is None:
-            return [(names[id(layer)], [layer]) for layer in layers]
-        unit = blocks
-    if isinstance(unit, str):
-        if unit not in ("layer", "tensor"):
-            raise ValueError(
-                f"unit must be 'auto', 'layer', 'tensor' or a list of modules, got {unit!r}"
-            )
-        return [(names[id(layer)], [layer]) for layer in layers]
-    owners: Dict[int, int] = {}  # id(layer) -> index of the listed module that holds it
-    modules = list(unit)
-    for index, module in enumerate(modules):
-        if not isinstance(module, nn.Module) or id(module) not in names:
-            raise ValueError(f"unit entry {index} is not a submodule of the wrapped model")
-        for layer in module.modules():
-            if is_layer(layer):
-                if id(layer) in owners:
-                    raise ValueError(
-                        f"layer '{names[id(layer)]}' is inside two unit modules "
-                        f"('{names[id(modules[owners[id(layer)]])]}' and '{names[id(module)]}')"
-                    )
-                owners[id(layer)] = index
-    grouped: List[List[nn.Module]] = [[] for _ in range(len(modules) + 1)]  # last: the root
-    for layer in layers:
-        grouped[owners.get(id(layer), len(modules))].append(layer)
-    named = [(names[id(m)], g) for m, g in zip(modules, grouped)] + [("<root>", grouped[-1])]
-    return [(name, group) for name, group in named if group]
-
-
-def repeated_blocks(root: nn.Module) -> Optional[List[nn.Module]]:
-    """The children of the ``nn.ModuleList`` of >= 2 same-type modules holding the most
-    parameter elements (a transformer's blocks), or None if the model has no such list."""
-    best, best_numel = None, 0
-    for module in root.modules():
-        if not isinstance(module, nn.ModuleList) or len(module) < 2:
-            continue
-        if len({type(child) for child in module}) != 1:
-            continue
-        numel = sum(p.numel() for p in module.parameters())
-        if numel > best_numel:
-            best, best_numel = list(module), numel
-    return best
+    def on_reshard(self) -> None:
+        self.state.track_gathered(-self._full_bytes)
+        self._full_bytes = 0
 
 
 def _all_gather(out: torch.Tensor, flat: torch.Tensor) -> Launch:

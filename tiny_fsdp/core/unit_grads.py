@@ -1,19 +1,24 @@
-"""The gradients of one gather unit: summed into one padded buffer, reduce-scattered at once.
+"""The gradients of one unit: summed into one buffer per group, reduced with one collective each.
 
 [Note: unit reduction]
-A gather unit's layers ([Note: gather units]) hand their full gradients to the unit's
-``UnitGradients`` as their backward produces them (``add``). Each is written (or, for a
-parameter that several layers of the unit use, a tied weight, added) into one rank-major
-buffer per dtype, shape (world_size, numel): row r is what rank r's shards receive, padding
-rows zero. When every layer of the unit that has a trainable parameter has added its part, the
-buffer is divided by world_size and reduce-scattered: a SUM of pre-divided gradients is the
-average, on any backend. The collective is launched, not waited for; slices of its output are
-this rank's shard gradients, delivered into ``.grad`` at the end of the backward ([Note:
-asynchronous reduction]).
+A unit's layers ([Note: full units]) hand their full gradients to the unit's ``UnitGradients``
+as their backward produces them (``add``). Each is written (or, for a parameter that several
+layers of the unit use, a tied weight, added) into the buffer of its *group*: the tensors that
+travel in one collective. When every layer of the unit that has a trainable parameter has
+added its part, each buffer is divided by world_size and reduced: a SUM of pre-divided
+gradients is the average, on any backend. The collective is launched, not waited for; slices
+of its output are this rank's gradients, delivered into ``.grad`` at the end of the backward
+([Note: asynchronous reduction]). The strategies say what a group is and how it is reduced:
 
-One collective per unit (and dtype), like FSDP2's per-module reduce-scatter: with per-block
-units (the default) a GPT-2 step issues n_layer + 1 reduce-scatters instead of one per layer,
-and a tied weight's gradient travels once. ``unit="tensor"`` keeps one per tensor.
+- FSDP (``fsdp/grads.py``): a group is the unit's tensors of one dtype; its buffer is
+  rank-major, (world_size, numel), row r what rank r's shards receive (padding rows zero), and
+  it is reduce-scattered.
+- ZeRO-3 (``zero3/grads.py``): a group is the unit's tensors of one owner and dtype; its
+  buffer is their full gradients concatenated, reduced to the owner.
+
+One collective per unit and group, like FSDP2's per-module reduce-scatter: with per-block units
+(the default) a GPT-2 step issues about n_layer + 1 of them instead of one per tensor, and a
+tied weight's gradient travels once. ``unit="tensor"`` keeps one per tensor.
 
 End of the backward. A unit whose layers did not all add (a layer whose output did not reach
 the loss, a layer called twice whose second backward comes after the launch) is launched by
@@ -27,28 +32,32 @@ graph, so they issue the same collectives in the same order.
 ``reduce_dtype`` before its reduce-scatter. A synchronised backward writes directly in
 ``reduce_dtype``.
 
-Memory: the buffer of the unit being filled is counted with the reductions in flight
-(``ReduceStats``) from its allocation; one kept across ``no_sync`` backwards is counted in the
-state's ``accumulated_bytes``.
+Memory: the buffers of the unit being filled are counted with the reductions in flight
+(``ReduceStats``) from their allocation; buffers kept across ``no_sync`` backwards are counted in
+the state's ``accumulated_bytes``.
+
+The state (FSDP's ``FSDPState``, ZeRO-3's ``Zero3Runtime``) provides ``world_size``,
+``require_grad_sync``, ``reduce_dtype(dtype)``, ``track_accumulated(nbytes)`` and
+``reductions`` (``PendingReductions``).
 """
 
-from typing import Dict, List, Optional, Sequence, Set, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Set, Tuple
 
 import torch
 from torch import nn
 
-from tiny_fsdp.core.fsdp.sharded_param import ShardedParam, shard_info
-from tiny_fsdp.core.fsdp.state import FSDPState
 from tiny_fsdp.core.module.handler import Params
 
-Column = Tuple[int, int, ShardedParam]  # (group index, first column, shard geometry)
+Column = Tuple[int, int]  # (group index, offset of the parameter in its group)
 
 
 class UnitGradients:
-    """Sum-then-reduce-scatter of one gather unit's gradients ([Note: unit reduction])."""
+    """Sum-then-reduce of one unit's gradients ([Note: unit reduction]); subclasses say what a
+    group is (``group_key``), how a gradient is laid out in its buffer (``numel_in_group``,
+    ``buffer_numel``, ``write``) and how a group is reduced (``reduce_group``)."""
 
     def __init__(
-        self, name: str, layers: Sequence[nn.Module], state: FSDPState, per_tensor: bool = False
+        self, name: str, layers: Sequence[nn.Module], state: Any, per_tensor: bool = False
     ) -> None:
         self.name = name
         self.layers = list(layers)
@@ -77,15 +86,12 @@ class UnitGradients:
             state.track_accumulated(-self._kept_bytes)
             state.reductions.stats.track(self._kept_bytes)
             self._live_bytes, self._kept_bytes = self._kept_bytes, 0
-        world = state.world_size
         for name, grad in zip(layer.param_names, grads):
             if grad is None:
                 continue
             param = getattr(layer, name)
-            index, start, info = self._columns[id(param)]
-            grid = self._buffers[index].view(world, -1)
-            columns = grid[:, start : start + info.shard_numel]
-            info.copy_in(grad, columns, accumulate=id(param) in self._written)
+            index, offset = self._columns[id(param)]
+            self.write(self._buffers[index], param, offset, grad, id(param) in self._written)
             self._written.add(id(param))
         if state.require_grad_sync and self._expected <= self._added:
             self._launch()
@@ -123,13 +129,13 @@ class UnitGradients:
         if key != self._key:
             self._layout([p for p in params if p.requires_grad])
             self._key = key
-        world, sync = self.state.world_size, self.state.require_grad_sync
+        sync = self.state.require_grad_sync
         like = next(g for g in grads if g is not None)
         self._buffers = []
         for group in self._groups:
             dtype = self.state.reduce_dtype(group[0].dtype) if sync else group[0].dtype
-            numel = sum(shard_info(p).shard_numel for p in group)
-            self._buffers.append(like.new_empty(world * numel, dtype=dtype))
+            numel = sum(self.numel_in_group(p) for p in group)
+            self._buffers.append(like.new_empty(self.buffer_numel(numel), dtype=dtype))
         self._live_bytes = sum(_nbytes(b) for b in self._buffers)
         self.state.reductions.stats.track(self._live_bytes)
 
@@ -146,15 +152,15 @@ class UnitGradients:
     def _layout(self, trainable: List[nn.Parameter]) -> None:
         groups: Dict[object, List[nn.Parameter]] = {}
         for param in trainable:
-            groups.setdefault(len(groups) if self.per_tensor else param.dtype, []).append(param)
+            key = len(groups) if self.per_tensor else self.group_key(param)
+            groups.setdefault(key, []).append(param)
         self._groups = list(groups.values())
         self._columns = {}
         for index, group in enumerate(self._groups):
-            start = 0
+            offset = 0
             for param in group:
-                info = shard_info(param)
-                self._columns[id(param)] = (index, start, info)
-                start += info.shard_numel
+                self._columns[id(param)] = (index, offset)
+                offset += self.numel_in_group(param)
         ids = {id(p) for p in trainable}
         self._expected = {
             id(layer)
@@ -163,31 +169,50 @@ class UnitGradients:
         }
 
     def _launch(self) -> None:
-        """Average and reduce-scatter every buffer; the written parameters get their parts."""
-        state, world = self.state, self.state.world_size
+        """Average and reduce every buffer; the written parameters get their parts."""
+        state = self.state
         buffers, written = self._buffers, self._written
         state.reductions.stats.track(-self._live_bytes)  # launch counts them as inputs
         self._buffers, self._written, self._added, self._live_bytes = None, set(), set(), 0
         for group, buffer in zip(self._groups, buffers):
-            parts, start = [], 0
-            grid = buffer.view(world, -1)
-            for param in group:
-                info = shard_info(param)
-                if id(param) not in written:
-                    grid[:, start : start + info.shard_numel].zero_()
-                start += info.shard_numel
-            buffer = buffer.to(state.reduce_dtype(group[0].dtype))  # a no_sync fp32 sum: cast
-            buffer.div_(world)  # SUM of grad / world == average, on every backend
-            reduced = buffer.new_empty(start)  # (numel,): this rank's shards, concatenated
             offset = 0
             for param in group:
-                info = shard_info(param)
-                if id(param) in written:
-                    shard_grad = reduced[offset : offset + info.shard_numel]
-                    parts.append((param, shard_grad.view(info.shard_shape)))
-                offset += info.shard_numel
-            del grid
-            state.launch_reduce_scatter(reduced, buffer, parts)
+                if id(param) not in written:  # no gradient on this rank: contribute zeros
+                    self.write(buffer, param, offset, None, False)
+                offset += self.numel_in_group(param)
+            buffer = buffer.to(state.reduce_dtype(group[0].dtype))  # a no_sync fp32 sum: cast
+            buffer.div_(state.world_size)  # SUM of grad / world == average, on every backend
+            self.reduce_group(group, buffer, [id(p) in written for p in group])
+
+    # ---------------------------------------------------------------- the strategy's part
+    def group_key(self, param: nn.Parameter) -> object:
+        """Parameters with equal keys share a buffer and a collective."""
+        raise NotImplementedError
+
+    def numel_in_group(self, param: nn.Parameter) -> int:
+        """Elements ``param`` takes in its group's layout (the offsets advance by it)."""
+        raise NotImplementedError
+
+    def buffer_numel(self, group_numel: int) -> int:
+        """Elements of a group's buffer, given the sum of its parameters' ``numel_in_group``."""
+        raise NotImplementedError
+
+    def write(
+        self,
+        buffer: torch.Tensor,
+        param: nn.Parameter,
+        offset: int,
+        grad: Optional[torch.Tensor],
+        accumulate: bool,
+    ) -> None:
+        """Write (or add) the full ``grad`` of ``param`` into ``buffer``; None: write zeros."""
+        raise NotImplementedError
+
+    def reduce_group(
+        self, group: List[nn.Parameter], buffer: torch.Tensor, delivered: List[bool]
+    ) -> None:
+        """Launch the reduction of the averaged ``buffer``; parts for ``delivered`` params."""
+        raise NotImplementedError
 
 
 def _nbytes(tensor: torch.Tensor) -> int:

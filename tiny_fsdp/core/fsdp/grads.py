@@ -1,0 +1,57 @@
+"""FSDP's unit gradients: the unit's gradients of one dtype, laid out rank-major, reduce-scattered.
+
+A group's buffer has shape (world_size, numel): row r holds, for every parameter of the group
+in order, the rows of its full gradient that rank r's shard covers ([Note: dim-0 shards];
+padding rows zero). A reduce-scatter leaves row ``rank`` summed on this rank: its shard
+gradients, concatenated ([Note: unit reduction]).
+"""
+
+from typing import List, Optional
+
+import torch
+from torch import nn
+
+from tiny_fsdp.core.fsdp.sharded_param import shard_info
+from tiny_fsdp.core.unit_grads import UnitGradients
+
+
+class ReduceScatterGrads(UnitGradients):
+    """One reduce-scatter per dtype (per tensor with ``unit="tensor"``) of a gather unit."""
+
+    def group_key(self, param: nn.Parameter) -> object:
+        return param.dtype
+
+    def numel_in_group(self, param: nn.Parameter) -> int:
+        return shard_info(param).shard_numel  # columns of the (world, numel) grid
+
+    def buffer_numel(self, group_numel: int) -> int:
+        return self.state.world_size * group_numel
+
+    def write(
+        self,
+        buffer: torch.Tensor,
+        param: nn.Parameter,
+        offset: int,
+        grad: Optional[torch.Tensor],
+        accumulate: bool,
+    ) -> None:
+        info = shard_info(param)
+        columns = buffer.view(self.state.world_size, -1)[:, offset : offset + info.shard_numel]
+        if grad is None:
+            columns.zero_()
+        else:
+            info.copy_in(grad, columns, accumulate)
+
+    def reduce_group(
+        self, group: List[nn.Parameter], buffer: torch.Tensor, delivered: List[bool]
+    ) -> None:
+        reduced = buffer.new_empty(buffer.numel() // self.state.world_size)  # this rank's row
+        parts, offset = [], 0
+        for param, deliver in zip(group, delivered):
+            info = shard_info(param)
+            if deliver:
+                parts.append(
+                    (param, reduced[offset : offset + info.shard_numel].view(info.shard_shape))
+                )
+            offset += info.shard_numel
+        self.state.launch_reduce_scatter(reduced, buffer, parts)

@@ -1,0 +1,77 @@
+"""What FSDP's gather units and ZeRO-3's broadcast units share: holding full parameters.
+
+[Note: full units]
+A unit's layers compute with its full parameters between an unshard (the strategy's
+collectives, [Note: prefetch]) and a reshard. ``FullUnit`` keeps the bookkeeping of that
+window, written once: a layer ``hold``s the full parameters while it computes and
+``release``s them after; the unit reshards once every one of its layers has released in the
+current phase and none is computing. Per phase, so that the forward fetches of a recomputation
+inside the backward (gradient checkpointing) do not count as the backward's; a recomputation
+nested in a layer's backward finds the unit full and holds it too (``_holders`` counts both).
+A unit the state keeps after forward (the first one of the backward, [Note: prefetch]) is not
+resharded by forward releases.
+
+Subclasses make the parameters full (``unshard`` / ``wait_for_unshard``, then ``set_full``) and
+say what a reshard frees (``on_reshard``).
+"""
+
+from typing import Dict, Optional, Sequence
+
+import torch
+from torch import nn
+
+from tiny_fsdp.core.module.handler import Params, TrainingPhase
+
+
+class FullUnit:
+    """Full parameters of ``layers``, held and released by them ([Note: full units])."""
+
+    def __init__(self, name: str, layers: Sequence[nn.Module], state: object) -> None:
+        self.name = name
+        self.layers = list(layers)
+        self.state = state  # answers keeps_after_forward(unit)
+        self._full: Optional[Dict[int, torch.Tensor]] = None  # id(local param) -> full tensor
+        self._released: Dict[TrainingPhase, set] = {phase: set() for phase in TrainingPhase}
+        self._holders = 0
+
+    @property
+    def is_unsharded(self) -> bool:
+        return self._full is not None
+
+    def hold(self, layer: nn.Module) -> Params:
+        """The full parameters of ``layer``, in use until its ``release`` (the unit is full)."""
+        assert self._full is not None, f"{self.name}: hold() before the unit was unsharded"
+        self._holders += 1
+        return tuple(
+            None if p is None else self._full[id(p)]
+            for p in (getattr(layer, n) for n in layer.param_names)
+        )
+
+    def release(self, layer: nn.Module, phase: TrainingPhase) -> None:
+        """``layer`` is done; reshard once all layers are done in this phase and none computes."""
+        self._holders -= 1
+        if phase is TrainingPhase.FORWARD and self.state.keeps_after_forward(self):
+            return
+        released = self._released[phase]
+        released.add(id(layer))
+        if self._holders == 0 and len(released) == len(self.layers):
+            self.reshard()
+
+    def set_full(self, full: Dict[int, torch.Tensor]) -> None:
+        """The unshard is complete: ``full`` maps id(local parameter) -> its full tensor."""
+        self._full = full
+        self._clear_released()
+
+    def reshard(self) -> None:
+        """Free the full parameters (back to local parts only)."""
+        if self._full is not None:
+            self._full = None
+            self.on_reshard()
+        self._clear_released()
+
+    def on_reshard(self) -> None:
+        """Account for the freed full parameters (subclasses)."""
+
+    def _clear_released(self) -> None:
+        for released in self._released.values():
+            released.clear()

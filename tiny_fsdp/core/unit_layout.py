@@ -1,0 +1,71 @@
+"""Which layers form a unit: the layers whose full parameters are fetched and freed together.
+
+FSDP's gather units ([Note: gather units]) and ZeRO-3's broadcast units ([Note: zero3 tensor
+life cycle]) are laid out by the same rule, ``unit_layers``:
+
+- ``"auto"`` (the default of both): the children of the model's largest ``nn.ModuleList`` of
+  same-type modules (a transformer's blocks; "largest" by parameter elements) are units, the
+  other layers one more unit, the root; a model without such a list gets one unit per layer.
+- ``"layer"`` and ``"tensor"``: one unit per layer (``"tensor"`` also issues one collective
+  per tensor instead of one per group of tensors; the strategies read that themselves).
+- a list of modules: all layers inside one listed module form a unit; the layers outside every
+  listed module form the root unit (FSDP2's layout).
+"""
+
+from typing import Dict, Iterable, List, Optional, Tuple, Union
+
+from torch import nn
+
+from tiny_fsdp.core.module.layer import is_layer
+
+UnitSpec = Union[str, Iterable[nn.Module]]
+
+
+def unit_layers(root: nn.Module, unit: UnitSpec) -> List[Tuple[str, List[nn.Module]]]:
+    """``(name, layers)`` of every unit, in module order (see the module docstring)."""
+    names = {id(m): path or "<root>" for path, m in root.named_modules()}
+    layers = [m for m in root.modules() if is_layer(m)]
+    if isinstance(unit, str) and unit == "auto":
+        blocks = repeated_blocks(root)
+        if blocks is None:
+            return [(names[id(layer)], [layer]) for layer in layers]
+        unit = blocks
+    if isinstance(unit, str):
+        if unit not in ("layer", "tensor"):
+            raise ValueError(
+                f"unit must be 'auto', 'layer', 'tensor' or a list of modules, got {unit!r}"
+            )
+        return [(names[id(layer)], [layer]) for layer in layers]
+    owners: Dict[int, int] = {}  # id(layer) -> index of the listed module that holds it
+    modules = list(unit)
+    for index, module in enumerate(modules):
+        if not isinstance(module, nn.Module) or id(module) not in names:
+            raise ValueError(f"unit entry {index} is not a submodule of the wrapped model")
+        for layer in module.modules():
+            if is_layer(layer):
+                if id(layer) in owners:
+                    raise ValueError(
+                        f"layer '{names[id(layer)]}' is inside two unit modules "
+                        f"('{names[id(modules[owners[id(layer)]])]}' and '{names[id(module)]}')"
+                    )
+                owners[id(layer)] = index
+    grouped: List[List[nn.Module]] = [[] for _ in range(len(modules) + 1)]  # last: the root
+    for layer in layers:
+        grouped[owners.get(id(layer), len(modules))].append(layer)
+    named = [(names[id(m)], g) for m, g in zip(modules, grouped)] + [("<root>", grouped[-1])]
+    return [(name, group) for name, group in named if group]
+
+
+def repeated_blocks(root: nn.Module) -> Optional[List[nn.Module]]:
+    """The children of the ``nn.ModuleList`` of >= 2 same-type modules holding the most
+    parameter elements (a transformer's blocks), or None if the model has no such list."""
+    best, best_numel = None, 0
+    for module in root.modules():
+        if not isinstance(module, nn.ModuleList) or len(module) < 2:
+            continue
+        if len({type(child) for child in module}) != 1:
+            continue
+        numel = sum(p.numel() for p in module.parameters())
+        if numel > best_numel:
+            best, best_numel = list(module), numel
+    return best
