@@ -28,7 +28,7 @@ from tiny_fsdp.core.precision import MixedPrecisionPolicy, apply_mixed_precision
 STRATEGIES = ["single", "ddp", "zero1", "zero2", "zero3", "fsdp"]
 # FSDP gathers per layer here (its default is per block): the checkpointing figures below count
 # one all-gather per layer.
-PER_LAYER = {"fsdp": {"unit": "layer"}}
+PER_LAYER = {"fsdp": {"unit": "layer"}, "zero3": {"unit": "tensor"}}  # counts below: per layer
 DISTRIBUTED = STRATEGIES[1:]
 LR = 1e-3
 ADAMW = adamw(lr=LR)  # every strategy's own AdamW
@@ -193,13 +193,15 @@ def _check_checkpointing(rank: int, world_size: int) -> None:
     blocks = make_model(0, CONFIG).transformer.h
     block_layers = [m for m in blocks.modules() if isinstance(m, (nn.Linear, nn.LayerNorm))]
     block_tensors = sum(len(list(m.parameters(recurse=False))) for m in block_layers)
+    last_tensors = sum(len(list(block.mlp.c_proj.parameters())) for block in blocks)
     # Backward of a block's last layer reads its saved input first, which recomputes the block
-    # inside that backward: ZeRO-3 broadcasts every block tensor once more (one broadcast per
-    # tensor); FSDP gathers every block layer once more (one all-gather per layer, the unit
-    # these tests use) except the last, whose recomputation finds the unit its backward holds.
+    # inside that backward: FSDP gathers every block layer once more (one all-gather per
+    # layer, the unit these tests use) and ZeRO-3 broadcasts every block tensor once more (one
+    # broadcast per tensor, its unit here), except those of the last layer (mlp.c_proj), whose
+    # recomputation finds the unit its backward holds.
     extra_fetches = {
         "fsdp": ("all_gather", len(block_layers) - len(blocks)),
-        "zero3": ("broadcast", block_tensors),
+        "zero3": ("broadcast", block_tensors - last_tensors),
     }
     for strategy in STRATEGIES:
         calls = {}

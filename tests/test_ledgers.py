@@ -76,7 +76,11 @@ def _build(variant: str, world_size: int) -> Tuple[nn.Module, torch.optim.Optimi
     if name in ("ddp", "zero1", "zero2"):
         kw = dict(bucket_cap_mb=ONE_PARAM_BUCKET_MB if option == "buckets" else 25.0)
     elif name == "zero3":
-        kw = dict(parts=_parts(world_size), enable_async_communication=option == "async")
+        kw = dict(
+            parts=_parts(world_size),
+            enable_async_communication=option == "async",
+            unit="tensor",  # the figures below are per tensor (the default unit is per block)
+        )
     elif name == "fsdp":
         kw = dict(
             enable_async_communication=option == "async",
@@ -176,10 +180,15 @@ def expected_traffic(variant: str, n: int, backend: str = "gloo") -> Dict[str, T
             return {"all_reduce": (len(buckets), padded), "broadcast": (n * len(buckets), padded)}
         return {"reduce_scatter": (len(buckets), padded), "all_gather": (len(buckets), padded)}
     if name == "zero3":
-        # Per use of a layer: broadcast each tensor in forward and backward, reduce its grad.
+        # Per use of a layer: broadcast each tensor in forward and backward, reduce its grad;
+        # the last layer of forward stays full for its backward, which comes next.
         uses = sum(len(layer) for layer in layers)
         used_bytes = FP32 * sum(s.numel() for layer in layers for s in layer)
-        return {"broadcast": (2 * uses, 2 * used_bytes), "reduce": (uses, used_bytes)}
+        kept, kept_bytes = len(layers[-1]), FP32 * sum(s.numel() for s in layers[-1])
+        return {
+            "broadcast": (2 * uses - kept, 2 * used_bytes - kept_bytes),
+            "reduce": (uses, used_bytes),
+        }
     if name == "fsdp":
         gathers = [FP32 * _fsdp_gather(layer, n) for layer in layers]
         # Gathered in forward, and again in backward unless kept (reshard_after_forward=False);

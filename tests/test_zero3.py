@@ -149,9 +149,15 @@ def _memory(rank: int, world_size: int) -> None:
         base = make_model(0)
         if frozen:  # owned and broadcast like the others, but no gradient, no optimizer state
             _freeze(base)
-        # Without prefetch first (the default is on): one layer fetched at a time.
+        # Without prefetch first (the default is on): one layer fetched at a time; per
+        # tensor units, so that every count below is per layer and per tensor.
         model, opt = build(
-            "zero3", base, OPTIMIZERS["adamw"], evenness=evenness, enable_async_communication=False
+            "zero3",
+            base,
+            OPTIMIZERS["adamw"],
+            evenness=evenness,
+            enable_async_communication=False,
+            unit="tensor",
         )
         parts = model.param_part_table
         owned = parts.rank_bytes[rank]
@@ -161,6 +167,11 @@ def _memory(rank: int, world_size: int) -> None:
         uses = [p for m in layers for p in _params(m)]
         # An embedding with a frozen weight has no backward at all: token ids need no gradient.
         no_backward = [m for m in layers if isinstance(m, nn.Embedding) and not _trains(m)]
+        # From the second step on (once the backward order is known), lm_head, the last layer
+        # of forward and the first of backward, stays full from one to the other ([Note:
+        # prefetch], keeps_after_forward): its tensors are broadcast once.
+        assert layers[-1] is model.module.lm_head
+        kept = len(_params(layers[-1]))
         n_broadcasts = 2 * len(uses) - sum(len(_params(m)) for m in no_backward)
         n_reduces = sum(p.requires_grad for p in uses)
         name_of = {id(p): name for name, p in model.module.named_parameters()}
@@ -180,8 +191,9 @@ def _memory(rank: int, world_size: int) -> None:
             assert _local_bytes(p.grad for p in params if p.grad is not None) == trainable
             # Each use of a tensor (the tied one twice) is broadcast in forward and in backward
             # and its gradient reduced once; nothing at all on one rank.
-            n_calls = {"broadcast": n_broadcasts, "reduce": n_reduces} if world_size > 1 else {}
-            assert dict(comm.LEDGER.calls) == n_calls
+            broadcasts = n_broadcasts - (kept if step else 0)
+            n_calls = {"broadcast": broadcasts, "reduce": n_reduces} if world_size > 1 else {}
+            assert dict(comm.LEDGER.calls) == n_calls, (evenness, frozen, step)
             # One layer at a time is fetched, then freed for real (no reference survives).
             assert model.fetch_stats.peak_bytes == max(remote)
             assert model.fetch_stats.live_bytes == 0 and _buffers_alive_after(model) == 0

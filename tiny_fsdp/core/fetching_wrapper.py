@@ -31,6 +31,9 @@ class FetchingWrapper(DataParallelWrapper):
         """At most this many prefetched units unconsumed at once ([Note: prefetch])."""
         return self._prefetcher.prefetch_limit
 
+    def before_load(self) -> None:
+        self._prefetcher.drop_transients()  # full / prefetched parameters would go stale
+
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         self._prefetcher.pre_forward(self.enable_async_communication, torch.is_grad_enabled())
         try:

@@ -82,6 +82,7 @@ class Prefetcher:
             raise ValueError(f"prefetch_limit must be >= 1, got {prefetch_limit}")
         self.prefetch_limit = prefetch_limit
         self.reshard_after_forward = True
+        self.units: List[Unit] = []  # every unit of the model, in module order
         self.orders: Dict[TrainingPhase, List[Unit]] = {}
         self._prefetch = False  # the wrapper's async switch, read at each forward
         self._in_forward = False
@@ -132,6 +133,12 @@ class Prefetcher:
     def async_comm(self) -> bool:
         """The wrapper's async switch as read at the last forward: prefetch, async reductions."""
         return self._prefetch
+
+    def drop_transients(self) -> None:
+        """Discard unconsumed prefetches and reshard units kept full from an earlier pass."""
+        self.drain()
+        for unit in self.units:
+            unit.reshard()
 
     def drain(self) -> None:
         """Wait for and discard every prefetched unshard not consumed yet."""

@@ -2,7 +2,6 @@
 
 from tiny_fsdp.core.fsdp.fsdp import FSDP
 from tiny_fsdp.core.wrapper import IncompatibleKeys
-from tiny_fsdp.core.fsdp.handler import FSDPHandler
 from tiny_fsdp.core.fsdp.optim import FSDPSGD, FSDPAdamW
 from tiny_fsdp.core.fsdp.sharded_param import ShardedParam, shard_info
 from tiny_fsdp.core.fsdp.state import FSDPState
@@ -11,7 +10,6 @@ from tiny_fsdp.core.fsdp.unit import GatherUnit
 __all__ = [
     "FSDP",
     "FSDPAdamW",
-    "FSDPHandler",
     "FSDPSGD",
     "FSDPState",
     "GatherUnit",

@@ -5,8 +5,8 @@ At wrap time each unique parameter, one at a time, is (materialised from ``meta`
 broadcast from rank 0 and cut to this rank's zero-padded dim-0 shard ([Note: dim-0 shards]); the
 module's ``nn.Parameter`` object is kept with the shard as its data, so tying survives and
 optimizers see shards. The layers are grouped into gather units (by default the model's repeated
-blocks plus a root unit, [Note: gather units]) and every layer gets an ``FSDPHandler`` ([Note:
-FSDP layer handler]): a unit is all-gathered just before its first layer computes and freed
+blocks plus a root unit, [Note: gather units]) and every layer gets a ``UnitHandler`` ([Note:
+unit handler]): a unit is all-gathered just before its first layer computes and freed
 after its last one, in forward and again in backward; its layers' gradients are summed and the
 unit launches one reduce-scatter of their average, delivered into ``shard.grad`` when the
 backward ends ([Note: unit reduction], [Note: asynchronous reduction]). Between steps a rank
@@ -26,10 +26,10 @@ from torch import nn
 
 from tiny_fsdp.core import comm, streams
 from tiny_fsdp.core.fetching_wrapper import FetchingWrapper
-from tiny_fsdp.core.fsdp.handler import FSDPHandler
 from tiny_fsdp.core.fsdp.sharded_param import shard_info, shard_module
 from tiny_fsdp.core.fsdp.state import FSDPState
 from tiny_fsdp.core.fsdp.unit import GatherUnit
+from tiny_fsdp.core.unit_handler import UnitHandler
 from tiny_fsdp.core.unit_layout import unit_layers
 from tiny_fsdp.core.fsdp.grads import ReduceScatterGrads
 from tiny_fsdp.core.local_state import LocalPiece
@@ -103,7 +103,7 @@ class FSDP(FetchingWrapper):
             self._state.units.append(gather_unit)
             self._state.unit_grads.append(grads)
             for layer in layers:
-                layer.param_handler = FSDPHandler(layer, gather_unit, grads, self._state)
+                UnitHandler(layer, gather_unit, grads, self._state)
         self.fetch_through(self._state)
 
     @property
@@ -168,9 +168,6 @@ class FSDP(FetchingWrapper):
 
     def saved_piece(self, param: torch.Tensor) -> Optional[LocalPiece]:
         return self.local_piece(param)
-
-    def before_load(self) -> None:
-        self._state.drop_transients()  # gathered / prefetched full parameters go stale
 
 
 def _check_group(world_size: Optional[int], rank: Optional[int]) -> Tuple[int, int]:

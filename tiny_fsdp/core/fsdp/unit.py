@@ -2,17 +2,10 @@
 
 [Note: gather units]
 The unit of communication decides how many collectives a step issues and how much is gathered
-at once. ``FSDP(unit=...)`` offers four:
-
-- ``"auto"`` (default): the children of the model's largest ``nn.ModuleList`` of same-type
-  modules (a transformer's blocks; "largest" by parameter elements) become units, the other
-  layers the root unit, as with a list of modules below; a model without such a list gets
-  ``"layer"``. The user names nothing.
-- ``"layer"``: each wrapped layer is a unit; its flat shards are concatenated into one
-  all-gather per fetch.
-- ``"tensor"``: like ``"layer"``, but one all-gather per tensor (no concatenation / copy-out).
-- a list of modules (e.g. the transformer blocks): all layers inside one listed module form a
-  unit; layers outside every listed module form one more unit, the "root" (FSDP2's layout).
+at once. ``FSDP(unit=...)`` takes the layouts of ``unit_layout.py``: ``"auto"`` (default: the
+model's repeated blocks, found without the user naming them, plus a root unit; else per layer),
+``"layer"`` (a layer's flat shards concatenated into one all-gather), ``"tensor"`` (one
+all-gather per tensor, no concatenation / copy-out), or a list of modules (FSDP2's layout).
 
 A unit is unsharded (all-gathered) when the first of its layers fetches and stays full until
 every one of its layers has released it in that pass, then resharded ([Note: glossary]); a

@@ -1,89 +1,149 @@
-"""One ZeRO-3 layer as a prefetcher unit: its parameters broadcast from their owners, then freed.
+"""A ZeRO-3 unit: the whole tensors of one or more layers, broadcast from their owners, then freed.
 
-Implements the prefetcher's verbs ([Note: prefetch]) for one layer ([Note: zero3 tensor life
-cycle] in ``handler.py``). A layer can be fetched twice at once: its backward reads its saved
-input, which makes gradient checkpointing recompute the block, this layer's forward included,
-inside that backward; so the fetches in use are a stack, innermost last.
+[Note: zero3 tensor life cycle]
+Every parameter has one owner rank (the partition table). The owner's ``param.data`` is the full
+tensor; on every other rank it is an empty ``(0,)`` tensor of the same dtype and device, and the
+full shape is kept in ``param._tiny_fsdp_zero3`` (a ``TensorInfo``, ``runtime.py``). Each layer
+belongs to a *unit* ([Note: glossary]; the model's blocks by default, ``unit_layout.py``), and
+its ``UnitHandler`` routes the layer seam ([Note: unit handler]):
+
+- ``fetch``: the unit's ``unshard`` (this file): each owner broadcasts its tensors of the unit
+  (one collective per owner and dtype); the other ranks receive them into fresh buffers.
+- ``release``: once all the unit's layers are done, ``reshard``: the buffers are dropped.
+  Nothing else holds them (the layer callbacks save inputs, never weights), so they are freed;
+  ``Zero3Runtime.stats`` counts them.
+- ``reduce_grads``: the layer's full gradients are summed into the unit's buffers, one per
+  owner and dtype ([Note: unit reduction], ``grads.py``); divided by N and SUM-reduced to the
+  owner once the unit's last layer has added; at the end of the backward the owner accumulates
+  the result into ``param.grad`` ([Note: asynchronous reduction]). A tied parameter used by two
+  layers of one unit is broadcast and reduced once.
+
+Under ``no_sync()`` every rank (owner included, so the owner's part is divided by N exactly
+once) keeps the unit's buffers, full size, and the next synchronised backward adds to them and
+reduces the total. Memory cost: the whole model's gradients on every rank, as in DDP.
+
+Mixed precision ([Note: mixed precision]): the owner broadcasts a ``param_dtype`` copy of its
+fp32 tensor (received buffers are ``param_dtype``: half the bytes with bf16), the gradient is
+reduced in ``reduce_dtype`` and the owner's result is accumulated into the fp32
+``param.grad``. The ``no_sync`` buffer is kept in the parameter's dtype (fp32), like ``.grad``.
+
+Prefetch ([Note: prefetch]): with async communication on, a fetch issues the broadcasts of the
+next ``prefetch_limit`` units of the recorded order (``async_op=True``), so at most
+``prefetch_limit + 1`` units are fetched at once, and a unit kept from forward to backward (the
+first of the backward). Results are bitwise equal with and without prefetching: the same
+tensors are broadcast and the same math runs.
+
+The unit implements the prefetcher's verbs ([Note: prefetch]); holding and releasing are
+``FullUnit``'s ([Note: full units]). The unit's tensors of one owner and dtype travel in one
+broadcast: the owner sends them concatenated into one buffer (a single tensor as it is), every
+other rank receives into a fresh buffer and computes with views of it; the owner computes with
+its own tensors (with a cast copy under mixed precision). With ``unit="tensor"`` every tensor
+has its own broadcast, as the first ZeRO-3 here did.
 """
 
 from dataclasses import dataclass
-from typing import Any, List, Optional
+from typing import Any, Dict, List, Sequence
 
 import torch
 from torch import nn
 
 from tiny_fsdp.core import comm
+from tiny_fsdp.core.full_unit import FullUnit
 from tiny_fsdp.core.module import local_param
-from tiny_fsdp.core.module.handler import Params
 from tiny_fsdp.core.streams import GATHER, CommHandle
 from tiny_fsdp.core.zero3.runtime import ATTR, TensorInfo, Zero3Runtime
 
 
 @dataclass
 class PendingBroadcast:
-    """One layer's full parameters, possibly still arriving (``handle`` not yet waited)."""
+    """A unit's full parameters, possibly still arriving (``handle`` not yet waited)."""
 
-    full: Params
-    handle: CommHandle  # the layer's broadcasts ([Note: communication streams])
-    nbytes: int  # bytes of the received (non-owned) buffers
+    full: Dict[int, torch.Tensor]  # id(local parameter) -> full tensor
+    handle: CommHandle  # the unit's broadcasts ([Note: communication streams])
+    buffers: List[torch.Tensor]  # made for this fetch (received, or the owner's send copies)
+    nbytes: int  # their bytes
 
 
-class BroadcastUnit:
-    """The broadcasts of one layer's parameters, and the fetches of them in use."""
+class BroadcastUnit(FullUnit):
+    """Broadcasts the tensors of ``layers`` from their owners, one collective per group."""
 
-    def __init__(self, module: nn.Module, runtime: Zero3Runtime) -> None:
-        self.module = module
+    def __init__(
+        self,
+        name: str,
+        layers: Sequence[nn.Module],
+        runtime: Zero3Runtime,
+        per_tensor: bool = False,
+    ) -> None:
+        super().__init__(name, layers, runtime)
         self.runtime = runtime
-        self._in_use: List[PendingBroadcast] = []  # innermost last
-
-    def hold(self) -> Params:
-        """The full parameters of the innermost fetch (after ``wait_for_unshard``)."""
-        return self._in_use[-1].full
-
-    is_unsharded = False  # every use broadcasts afresh: nothing is kept full between uses
+        params: Dict[int, nn.Parameter] = {}  # the local parameters, each once
+        for layer in self.layers:
+            for param_name in layer.param_names:
+                param = local_param(layer, param_name)
+                if param is not None:
+                    params.setdefault(id(param), param)
+        groups: Dict[object, List[nn.Parameter]] = {}
+        for param in params.values():
+            key = len(groups) if per_tensor else (_info(param).owner, param.dtype)
+            groups.setdefault(key, []).append(param)
+        self.groups: List[List[nn.Parameter]] = list(groups.values())
+        self._buffers: List[torch.Tensor] = []  # of the current fetch, freed at reshard
+        self._nbytes = 0
 
     def unshard(self, async_op: bool) -> PendingBroadcast:
-        """Issue this layer's broadcasts; the result is valid after ``wait_for_unshard``."""
+        """Issue the unit's broadcasts; the result is valid after ``wait_for_unshard``."""
         rt = self.runtime
-        full_params: List[Optional[torch.Tensor]] = []
-        broadcasts, nbytes = [], 0
-        for name in self.module.param_names:
-            local = local_param(self.module, name)  # also while a generic layer computes
-            if local is None:  # absent bias
-                full_params.append(None)
+        full: Dict[int, torch.Tensor] = {}
+        broadcasts, buffers, nbytes = [], [], 0
+        for group in self.groups:
+            owner, dtype = _info(group[0]).owner, rt.gather_dtype(group[0].dtype)
+            own, cast = owner == rt.rank, dtype != group[0].dtype
+            if own and not cast:  # the owner computes with its own tensors, no copy
+                for param in group:
+                    full[id(param)] = param.detach()
+            if rt.world_size == 1 and not cast:
                 continue
-            info: TensorInfo = getattr(local, ATTR)
-            dtype = local.dtype if rt.policy is None else rt.policy.param_dtype
-            if info.owner == rt.rank and dtype == local.dtype:
-                full = local.detach()  # the owner computes with its own tensor
+            if own and len(group) == 1:
+                flat = group[0].detach().reshape(-1).to(dtype)  # no copy unless cast
+            elif own:  # the owned tensors concatenated (and cast): a send buffer
+                flat = torch.cat([p.detach().reshape(-1) for p in group]).to(dtype)
             else:
-                if info.owner == rt.rank:  # mixed precision: the owner sends a cast copy
-                    full = local.detach().to(dtype)
-                else:
-                    full = torch.empty(info.shape, dtype=dtype, device=local.device)
-                rt.stats.add(full)
-                nbytes += full.numel() * full.element_size()
+                numel = sum(_info(p).shape.numel() for p in group)
+                flat = torch.empty(numel, dtype=dtype, device=group[0].device)
+            if not (own and len(group) == 1 and not cast):  # a buffer made for this fetch
+                rt.stats.add(flat)
+                buffers.append(flat)
+                nbytes += flat.numel() * flat.element_size()
+            if not own or cast:  # the full parameters are views of the buffer
+                offset = 0
+                for param in group:
+                    shape = _info(param).shape
+                    full[id(param)] = flat[offset : offset + shape.numel()].view(shape)
+                    offset += shape.numel()
             if rt.world_size > 1:
-                broadcasts.append((full, info.owner))
-            full_params.append(full)
+                broadcasts.append((flat, owner))
 
         def launch(async_op: bool) -> List[Any]:
             return [comm.broadcast(t, src=src, async_op=async_op) for t, src in broadcasts]
 
         handle = rt.streams.issue(GATHER, launch, async_op)
-        return PendingBroadcast(tuple(full_params), handle, nbytes)
+        return PendingBroadcast(full, handle, buffers, nbytes)
 
     def wait_for_unshard(self, pending: PendingBroadcast) -> None:
-        """Wait for the broadcasts; ``fetch`` hands out their buffers until ``reshard``."""
+        """Wait for the broadcasts; the layers hold their views until ``reshard``."""
         self.runtime.streams.wait(pending.handle)
-        self._in_use.append(pending)
+        self._buffers, self._nbytes = pending.buffers, pending.nbytes
+        self.set_full(pending.full)
 
     def discard(self, pending: PendingBroadcast) -> None:
         """Forget a prefetch that will not be used, once its broadcasts have finished."""
         self.runtime.streams.wait(pending.handle)
         self.runtime.stats.live_bytes -= pending.nbytes
 
-    def reshard(self) -> None:
-        """Drop the innermost fetch's buffers."""
-        if self._in_use:
-            self.runtime.stats.live_bytes -= self._in_use.pop().nbytes
+    def on_reshard(self) -> None:
+        self.runtime.stats.live_bytes -= self._nbytes
+        self._buffers, self._nbytes = [], 0
+
+
+def _info(param: nn.Parameter) -> TensorInfo:
+    return getattr(param, ATTR)

@@ -4,17 +4,17 @@
 The partition table (``partition.py``) gives every parameter one owner. Only the owner stores
 the parameter, its gradient and its optimizer state; the other ranks keep an empty ``(0,)``
 tensor in its place. Layers receive full parameters by broadcast from the owners just before
-they compute, in forward and again in backward, and gradients are reduced to the owners (see
-``handler.py``). Per rank, between steps: owned parameters + owned gradients + owned optimizer
-state; during a step, in addition, the parameters of the layer being computed (and of the
-``prefetch_limit`` next ones with async communication, [Note: prefetch]). Traffic per step and
-rank, ring model: 3 (N-1)/N x model bytes (two broadcasts and one reduce per use of a tensor; a
-tied tensor is used twice), 1.5 x DDP's all-reduce (2 (N-1)/N).
+they compute, in forward and again in backward, and gradients are reduced to the owners, a
+unit (by default a block) at a time ([Note: zero3 tensor life cycle] in ``unit.py``). Per rank,
+between steps: owned parameters + owned gradients + owned optimizer state; during a step, in
+addition, the parameters of the unit being computed (and of the ``prefetch_limit`` next ones
+with async communication, [Note: prefetch]). Traffic per step and rank, ring model: about 3
+(N-1)/N x model bytes (two broadcasts and one reduce per use of a tensor; fewer when a unit
+stays full from forward to backward), 1.5 x DDP's all-reduce (2 (N-1)/N).
 
 Limits: every rank must call the same layers in the same order (no data-dependent skipping of
 layers: the broadcasts and reduces of all ranks must pair up). Gradient sync is decided when
-``Zero3.forward`` runs (as in torch DDP). A parameter whose gradient was accumulated under
-``no_sync()`` must get a gradient in the next synchronised backward too, which reduces it.
+``Zero3.forward`` runs (as in torch DDP).
 """
 
 import warnings
@@ -28,10 +28,12 @@ from tiny_fsdp.core import comm, streams
 from tiny_fsdp.core.fetching_wrapper import FetchingWrapper
 from tiny_fsdp.core.local_state import LocalPiece
 from tiny_fsdp.core.meta_buffers import has_meta_buffers, materialize_buffers
-from tiny_fsdp.core.module import is_layer
 from tiny_fsdp.core.precision import MixedPrecisionPolicy
 from tiny_fsdp.core.reductions import ReduceStats
-from tiny_fsdp.core.zero3.handler import Zero3Handler
+from tiny_fsdp.core.unit_handler import UnitHandler
+from tiny_fsdp.core.unit_layout import UnitSpec, unit_layers
+from tiny_fsdp.core.zero3.grads import ReduceToOwnerGrads
+from tiny_fsdp.core.zero3.unit import BroadcastUnit
 from tiny_fsdp.core.zero3.runtime import ATTR, FetchStats, TensorInfo, Zero3Runtime
 
 
@@ -58,6 +60,10 @@ class Zero3(FetchingWrapper):
         mixed_precision: owners broadcast ``param_dtype`` copies and gradients are reduced in
             ``reduce_dtype``; owned tensors, ``.grad`` and optimizer state stay fp32 ([Note:
             mixed precision]).
+        unit: which layers are broadcast and reduced together: ``"auto"`` (default: the
+            model's repeated blocks, else per layer), ``"layer"``, ``"tensor"`` (one collective
+            per tensor), or a list of modules (``unit_layout.py``); within a unit, one
+            broadcast and one reduce per owner and dtype.
     """
 
     collectives = ("broadcast", "reduce")
@@ -75,6 +81,7 @@ class Zero3(FetchingWrapper):
         sync_module_states: bool = False,
         mixed_precision: Optional[MixedPrecisionPolicy] = None,
         prefetch_depth: Optional[int] = None,
+        unit: UnitSpec = "auto",
     ) -> None:
         super().__init__(module, enable_async_communication, mixed_precision)
         if prefetch_depth is not None:
@@ -102,9 +109,14 @@ class Zero3(FetchingWrapper):
         self._materialize(named, self.device, sync_module_states)
         self.claim(self.module.parameters())  # meta parameters were replaced by new objects
         self._runtime.use_streams(streams.streams_for(self.device))
-        for layer in self.module.modules():
-            if is_layer(layer):
-                Zero3Handler(layer, self._runtime)
+        rt, per_tensor = self._runtime, isinstance(unit, str) and unit == "tensor"
+        for name, layers in unit_layers(self.module, unit):
+            broadcast_unit = BroadcastUnit(name, layers, rt, per_tensor)
+            grads = ReduceToOwnerGrads(name, layers, rt, per_tensor)
+            rt.units.append(broadcast_unit)
+            rt.unit_grads.append(grads)
+            for layer in layers:
+                UnitHandler(layer, broadcast_unit, grads, rt)
         self.fetch_through(self._runtime)
 
     @property
@@ -124,14 +136,19 @@ class Zero3(FetchingWrapper):
         return self._runtime.prefetch_limit
 
     @property
+    def units(self) -> List[BroadcastUnit]:
+        """The broadcast units, in module order ([Note: zero3 tensor life cycle])."""
+        return list(self._runtime.units)
+
+    @property
     def no_sync_bytes(self) -> int:
         """Bytes of the gradients accumulated under ``no_sync()`` and not reduced yet."""
-        return sum(t.numel() * t.element_size() for t in self._runtime.accumulated.values())
+        return self._runtime.accumulated_bytes
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         # Gradient sync is decided at forward time, like torch DDP: a forward run inside
         # no_sync() accumulates in its backward even if backward runs outside the block.
-        self._runtime.sync_grads = self.require_backward_grad_sync
+        self._runtime.require_grad_sync = self.require_backward_grad_sync
         return super().forward(*args, **kwargs)
 
     @torch.no_grad()

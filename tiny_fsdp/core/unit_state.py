@@ -1,0 +1,62 @@
+"""State shared by the units of one FSDP or ZeRO-3 model: switches, streams, reductions, dtypes.
+
+Both strategies' per-model state (``FSDPState``, ``Zero3Runtime``) is a ``UnitState``: the
+model's ``Prefetcher`` ([Note: prefetch]) plus what every unit and ``UnitGradients`` read
+([Note: unit reduction]): world size and rank, the gradient-sync switch, the mixed precision
+policy's dtypes, the communication streams ([Note: communication streams]), the pending
+reductions ([Note: asynchronous reduction]) and the bytes of ``no_sync`` sums.
+"""
+
+from typing import List, Optional
+
+import torch
+
+from tiny_fsdp.core.precision import MixedPrecisionPolicy
+from tiny_fsdp.core.prefetch import Prefetcher
+from tiny_fsdp.core.reductions import PendingReductions
+from tiny_fsdp.core.streams import CommStreams
+
+
+class UnitState(Prefetcher):
+    """The switches and bookkeeping the units and their gradients share."""
+
+    def __init__(
+        self,
+        world_size: int,
+        rank: int,
+        prefetch_limit: int,
+        policy: Optional[MixedPrecisionPolicy] = None,
+    ) -> None:
+        super().__init__(prefetch_limit)
+        self.world_size = world_size
+        self.rank = rank
+        self.policy = policy
+        self.require_grad_sync = True  # the wrapper's switch (no_sync)
+        self.unit_grads: List = []  # every unit's UnitGradients, in the order of ``units``
+        self.streams = CommStreams()  # replaced by ``use_streams`` once the device is known
+        self.reductions = PendingReductions(self.streams)
+        self.accumulated_bytes = 0  # of gradient sums kept across no_sync backwards
+
+    def use_streams(self, streams: CommStreams) -> None:
+        """Issue unshards and reductions through ``streams``."""
+        self.streams = streams
+        self.reductions.streams = streams
+
+    def gather_dtype(self, dtype: torch.dtype) -> torch.dtype:
+        """dtype in which parameters of ``dtype`` are unsharded (and layers compute)."""
+        return dtype if self.policy is None else self.policy.param_dtype
+
+    def reduce_dtype(self, dtype: torch.dtype) -> torch.dtype:
+        """dtype in which gradients of parameters of ``dtype`` are reduced."""
+        return dtype if self.policy is None else self.policy.reduce_dtype
+
+    def track_accumulated(self, nbytes: int) -> None:
+        self.accumulated_bytes += nbytes
+
+    def pre_forward(self, prefetch: bool, grad_enabled: bool) -> None:
+        """A wrapper forward starts: drop what a backward that raised left, start resharded."""
+        self.reductions.abandon()  # only a backward that raised leaves any
+        for grads in self.unit_grads:
+            grads.drop_unfinished()
+        self.drop_transients()
+        super().pre_forward(prefetch, grad_enabled)

@@ -1,0 +1,56 @@
+"""ZeRO-3's unit gradients: the unit's full gradients of one owner and dtype, reduced to the owner.
+
+A group's buffer is the full gradients of its tensors, concatenated (flattened, in order). A
+SUM-reduce to the owner leaves the average there; the owner's parts are views of its buffer
+([Note: unit reduction]). Every rank, owner or not, builds the same buffer, so the collectives
+match.
+"""
+
+from typing import List, Optional
+
+import torch
+from torch import nn
+
+from tiny_fsdp.core.unit_grads import UnitGradients
+from tiny_fsdp.core.zero3.runtime import ATTR
+
+
+class ReduceToOwnerGrads(UnitGradients):
+    """One reduce per owner and dtype (per tensor with ``unit="tensor"``) of a unit."""
+
+    def group_key(self, param: nn.Parameter) -> object:
+        return (getattr(param, ATTR).owner, param.dtype)
+
+    def numel_in_group(self, param: nn.Parameter) -> int:
+        return getattr(param, ATTR).shape.numel()
+
+    def buffer_numel(self, group_numel: int) -> int:
+        return group_numel
+
+    def write(
+        self,
+        buffer: torch.Tensor,
+        param: nn.Parameter,
+        offset: int,
+        grad: Optional[torch.Tensor],
+        accumulate: bool,
+    ) -> None:
+        region = buffer[offset : offset + self.numel_in_group(param)]
+        if grad is None:
+            region.zero_()
+        elif accumulate:
+            region.add_(grad.reshape(-1))
+        else:
+            region.copy_(grad.reshape(-1))
+
+    def reduce_group(
+        self, group: List[nn.Parameter], buffer: torch.Tensor, delivered: List[bool]
+    ) -> None:
+        owner = getattr(group[0], ATTR).owner
+        parts, offset = [], 0
+        for param, deliver in zip(group, delivered):
+            shape = getattr(param, ATTR).shape
+            if deliver and owner == self.state.rank:
+                parts.append((param, buffer[offset : offset + shape.numel()].view(shape)))
+            offset += shape.numel()
+        self.state.launch_reduce(buffer, owner, parts)
