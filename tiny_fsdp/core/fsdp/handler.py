@@ -120,7 +120,7 @@ class FSDPHandler(ParamHandler):
             state.track_accumulated(_nbytes(buffer))
             return
         buffer = buffer.to(state.reduce_dtype(dtype))  # no copy unless a no_sync fp32 sum
-        buffer.div_(world)  # SUM of grad / world == average, on every backend
+        buffer.div_(state.grad_divisor)  # SUM of grad / world == average, on every backend
         reduced = buffer.new_empty(numel)  # (numel,): this rank's shards, concatenated
         parts, offset = [], 0
         for slot, info in members:

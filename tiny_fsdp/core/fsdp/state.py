@@ -5,6 +5,11 @@ prefetch]); what FSDP adds is which unit stays full after forward. The unit that
 backward is not resharded after a forward with grad enabled: its backward follows at once, so
 resharding it would only mean gathering it again (FSDP2 does the same for its root). With
 ``reshard_after_forward=False`` no unit is resharded until its backward.
+
+``world_size`` / ``rank`` are those of the shard group, the ranks one copy of the shards is
+spread over (every rank in plain FSDP); under HSDP gradients are averaged over all
+``grad_divisor`` ranks and the reduced shards all-reduced across the replicas ([Note: hybrid
+sharding]).
 """
 
 from typing import Any, List, Optional, Sequence
@@ -12,6 +17,7 @@ from typing import Any, List, Optional, Sequence
 import torch
 
 from tiny_fsdp.core import comm
+from tiny_fsdp.core.fsdp.mesh import MeshGroups
 from tiny_fsdp.core.module.handler import TrainingPhase
 from tiny_fsdp.core.precision import MixedPrecisionPolicy
 from tiny_fsdp.core.prefetch import Prefetcher
@@ -28,10 +34,17 @@ class FSDPState(Prefetcher):
         rank: int,
         reshard_after_forward: bool = True,
         prefetch_limit: int = 1,
+        groups: Optional[MeshGroups] = None,
     ) -> None:
         super().__init__(prefetch_limit)
-        self.world_size = world_size
-        self.rank = rank
+        self.groups = groups or MeshGroups(None, world_size, rank, None, 1, 0)
+        if (self.groups.shard_size, self.groups.shard_rank) != (world_size, rank):
+            raise ValueError(
+                f"FSDPState: world_size={world_size}, rank={rank} but the shard group has "
+                f"{self.groups.shard_size} ranks and this is its rank {self.groups.shard_rank}"
+            )
+        self.world_size = world_size  # of the shard group
+        self.rank = rank  # in the shard group
         self.reshard_after_forward = reshard_after_forward
         self.require_grad_sync = True
         self.policy: Optional[MixedPrecisionPolicy] = None  # set by FSDP(mixed_precision=...)
@@ -49,16 +62,31 @@ class FSDPState(Prefetcher):
         self.streams = streams
         self.reductions.streams = streams
 
+    @property
+    def grad_divisor(self) -> int:
+        """Ranks a gradient is averaged over: the whole world, replicas included."""
+        return self.groups.world_size
+
     def launch_reduce_scatter(
         self, output: torch.Tensor, input: torch.Tensor, parts: Sequence[Part]
     ) -> None:
-        """Reduce-scatter ``input`` (world * k,) into ``output`` (k,); ``parts`` go to ``.grad``
-        at the end of the backward ([Note: asynchronous reduction])."""
+        """Reduce-scatter ``input`` (world * k,) into ``output`` (k,) in the shard group, then
+        (HSDP) all-reduce ``output`` across the replicas; ``parts`` go to ``.grad`` at the end
+        of the backward ([Note: asynchronous reduction], [Note: hybrid sharding])."""
+        groups = self.groups
 
         def launch(async_op: bool) -> Any:
-            return comm.reduce_scatter(output, input, async_op=async_op)
+            return comm.reduce_scatter(
+                output, input, group=groups.shard_group, async_op=async_op, label=groups.shard_label
+            )
 
-        self.reductions.launch(launch, (input, output), parts, self.async_comm)
+        def across_replicas(async_op: bool) -> Any:
+            return comm.all_reduce(
+                output, group=groups.replicate_group, async_op=async_op, label="replicate"
+            )
+
+        then = None if groups.replicate_group is None else across_replicas
+        self.reductions.launch(launch, (input, output), parts, self.async_comm, then=then)
 
     # ---------------------------------------------------------------- mixed precision
     def gather_dtype(self, dtype: torch.dtype) -> torch.dtype:

@@ -63,7 +63,7 @@ class TiedReduction:
         buffer = self._sums.pop(id(param))[0]
         self.state.track_accumulated(-_nbytes(buffer))
         buffer = buffer.to(self.state.reduce_dtype(buffer.dtype))  # no copy without a policy
-        buffer.div_(world)  # SUM of grad / world == average, on every backend
+        buffer.div_(self.state.grad_divisor)  # SUM of grad / world == average, on every backend
         reduced = buffer.new_empty(info.shard_numel)
         self.state.launch_reduce_scatter(
             reduced, buffer.view(-1), [(param, reduced.view(info.shard_shape))]

@@ -168,10 +168,14 @@ class BaseOptimizer(torch.optim.Optimizer):
         if self.grads_are_sharded:
             from tiny_fsdp.core import comm  # the optimizers import nothing distributed otherwise
 
-            comm.all_reduce(total)
+            comm.all_reduce(total, group=self._norm_group())
         norm = total.sqrt()
         self._grad_scale = min(1.0, max_norm / (norm.item() + 1e-6))
         return norm
+
+    def _norm_group(self) -> Any:
+        """The process group whose ranks together hold each element once (None: all ranks)."""
+        return None
 
     def _default_device(self) -> torch.device:
         for group in self.param_groups:
