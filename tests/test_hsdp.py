@@ -9,15 +9,13 @@ one world size share a ``run_distributed`` call, so the 4-rank pool starts once.
 
 import copy
 import os
-import subprocess
-import sys
 from typing import Dict, List, Tuple
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tests.build import adamw, sgd
+from tests.build import adamw, build, sgd
 from tests.harness import run_distributed
 from tests.parity import (
     LOSS_ATOL,
@@ -32,6 +30,8 @@ from tiny_fsdp.checkpoint import full_checkpoint_file, load_checkpoint, save_che
 from tiny_fsdp.core import comm
 from tiny_fsdp.core.fsdp import FSDP, FSDPSGD, FSDPAdamW, hsdp_mesh, shard_info
 from tiny_fsdp.core.precision import MixedPrecisionPolicy
+from tiny_fsdp.core.reductions import PendingReductions
+from tiny_fsdp.core.streams import CommStreams
 
 WORLD = 4
 LAYOUTS = [(2, 2), (4, 1), (1, 4)]  # (replicas, shard_size)
@@ -262,6 +262,84 @@ def test_matches_pytorch_fsdp2_hybrid_sharding() -> None:
     assert max(run_distributed(_fsdp2, WORLD)) <= PARAM_ATOL
 
 
+# ----------------------------------------------------------------------- two-stage reductions
+
+
+class _Work:
+    """A fake collective: done when the test says so, or when waited for."""
+
+    def __init__(self, log: List[str], name: str) -> None:
+        self.log, self.name, self.done = log, name, False
+        log.append(f"issue {name}")
+
+    def is_completed(self) -> bool:
+        return self.done
+
+    def wait(self) -> None:
+        if not self.done:
+            self.log.append(f"wait {self.name}")
+        self.done = True
+
+
+def _two_stage_run(streams: CommStreams) -> Tuple[List[str], torch.Tensor]:
+    """Four two-stage reductions (A_i then B_i); A1 finishes before A0, then A0."""
+    log: List[str] = []
+    works: Dict[str, _Work] = {}
+    param = nn.Parameter(torch.zeros(2))
+    reductions = PendingReductions(streams, in_flight_limit=4)
+
+    def stage(name: str):
+        def launch(async_op: bool) -> _Work:
+            works[name] = _Work(log, name)
+            return works[name]
+
+        return launch
+
+    class Backward(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x: torch.Tensor) -> torch.Tensor:
+            return x.clone()
+
+        @staticmethod
+        def backward(ctx, grad: torch.Tensor) -> torch.Tensor:
+            for i in range(4):
+                if i == 2:
+                    works["A1"].done = True  # A0 still running: B1 must wait for B0
+                if i == 3:
+                    works["A0"].done = True
+                log.append(f"launch {i}")
+                part = torch.full((2,), float(i))
+                reductions.launch(
+                    stage(f"A{i}"), [part], [(param, part)], async_op=True, then=stage(f"B{i}")
+                )
+            return grad
+
+    Backward.apply(torch.ones(2, requires_grad=True)).sum().backward()
+    return log, param.grad
+
+
+def test_second_stage_starts_after_the_first_and_in_issue_order() -> None:
+    """[Note: asynchronous reduction]'s two-stage reductions, with fake works on one process."""
+    log, grad = _two_stage_run(CommStreams())
+    issued_b = [line for line in log if line.startswith("issue B")]
+    assert issued_b == ["issue B0", "issue B1", "issue B2", "issue B3"]
+    for i in range(4):  # never before its own first stage is done
+        assert log.index(f"issue B{i}") > log.index(f"issue A{i}")
+    assert log.index("issue B1") > log.index("launch 3")  # A1 done early, but B0 goes first
+    a3 = log.index("issue A3")  # the launch after A0 finished starts B0 and B1, then stops at A2
+    assert log[a3 + 1 : a3 + 3] == ["issue B0", "issue B1"] and "issue B2" not in log[: a3 + 3]
+    assert torch.equal(grad, torch.full((2,), 6.0))  # parts 0 + 1 + 2 + 3, delivered at the end
+
+    class StreamOrdered(CommStreams):  # CUDA: both stages at once, ordered by the stream
+        uses_streams = True
+
+    log, grad = _two_stage_run(StreamOrdered())
+    for i in range(4):
+        a, b = log.index(f"issue A{i}"), log.index(f"issue B{i}")
+        assert log[a + 1 : b + 1] == [f"wait A{i}", f"issue B{i}"]  # the caller waits, then B
+    assert torch.equal(grad, torch.full((2,), 6.0))
+
+
 # ----------------------------------------------------------------------- ledger
 
 
@@ -371,67 +449,37 @@ def _train_and_save(rank: int, world_size: int, path: str, layout) -> None:
     save_checkpoint(path + "_full", model, opt, step=2)
 
 
-def _load_and_resave(rank: int, world_size: int, src: str, dst: str, layout) -> None:
-    """Load ``src`` into a fresh model (FSDP without layout, else HSDP); save it at ``dst``,
-    sharded, and next to it full."""
-    torch.manual_seed(5)  # other initial weights: the load must overwrite them all
-    if layout is None:
-        model = FSDP(OddNet(), unit="layer")
-        opt = FSDPAdamW(model.named_parameters(), **OPTIMIZERS["adamw"].hyper)
-    else:
-        model, opt = _hsdp(OddNet(), tuple(layout), "adamw", unit="layer")
-    assert load_checkpoint(src, model, opt)["step"] == 2
-    save_checkpoint(dst, model, opt, step=2, sharded=True)
-    save_checkpoint(dst + "_full", model, opt, step=2)
+def _load_and_resave(rank: int, world_size: int, src: str, dst: str, strategies) -> None:
+    """Load ``src`` into fresh models of each strategy ("hsdp": 2 x 2, else ``tests/build``'s);
+    save each at ``dst/<strategy>``, sharded, and next to it full."""
+    for strategy in strategies:
+        torch.manual_seed(5)  # other initial weights: the load must overwrite them all
+        if strategy == "hsdp":
+            model, opt = _hsdp(OddNet(), (2, 2), "adamw", unit="layer")
+        else:
+            kw = {"unit": "layer"} if strategy == "fsdp" else {}
+            model, opt = build(strategy, OddNet(), OPTIMIZERS["adamw"], **kw)
+        assert load_checkpoint(src, model, opt)["step"] == 2
+        save_checkpoint(f"{dst}/{strategy}", model, opt, step=2, sharded=True)
+        save_checkpoint(f"{dst}/{strategy}_full", model, opt, step=2)
 
 
 def _full(path: str) -> Dict:
     return torch.load(full_checkpoint_file(path), weights_only=True)
 
 
-def test_checkpoint_hsdp_to_fsdp_at_another_world_size_and_back(tmp_path) -> None:
-    """2 x 2 HSDP saves; FSDP on 2 ranks loads it (and saves); HSDP loads that back. The full
-    checkpoints written along the way are equal to the first one, bit for bit."""
-    hsdp, fsdp2, back = str(tmp_path / "hsdp"), str(tmp_path / "fsdp2"), str(tmp_path / "back")
+def test_checkpoint_hsdp_to_fsdp_ddp_zero3_at_another_world_size_and_back(tmp_path) -> None:
+    """2 x 2 HSDP saves; FSDP, DDP and ZeRO-3 on 2 ranks load it (and save); HSDP loads FSDP's
+    back. Every full checkpoint written along the way equals the first one, bit for bit."""
+    hsdp, two, back = str(tmp_path / "hsdp"), str(tmp_path / "two"), str(tmp_path / "back")
     run_distributed(_train_and_save, WORLD, hsdp, (2, 2))
-    run_distributed(_load_and_resave, 2, hsdp, fsdp2, None)
-    run_distributed(_load_and_resave, WORLD, fsdp2, back, (2, 2))
+    run_distributed(_load_and_resave, 2, hsdp, two, ["fsdp", "ddp", "zero3"])
+    run_distributed(_load_and_resave, WORLD, f"{two}/fsdp", back, ["hsdp"])
     first = _full(hsdp + "_full")
-    for other in (_full(fsdp2 + "_full"), _full(back + "_full")):
+    for other in ("two/fsdp", "two/ddp", "two/zero3", "back/hsdp"):
+        other = _full(str(tmp_path / f"{other}_full"))
         assert first["model"].keys() == other["model"].keys()
         assert all(torch.equal(v, other["model"][k]) for k, v in first["model"].items())
         for name, state in first["optimizer"]["state"].items():
             for key, value in state.items():
                 assert torch.equal(value, other["optimizer"]["state"][name][key]), (name, key)
-
-
-# ----------------------------------------------------------------------- two torchrun nodes
-
-
-def test_two_torchrun_nodes_of_two_ranks_train_with_hsdp(tmp_path) -> None:
-    """``--hsdp 2`` over two torchrun "nodes" of 2 ranks: each node one shard group; the losses
-    are one device's with the same global batch (4 ranks x 2 sequences)."""
-    from tests.test_examples import COMMON, LOSS_ATOL as PRINT_ATOL, _free_port, _losses, _run
-
-    args = [*COMMON[:3], "2", *COMMON[4:]]  # --steps 2
-    one_device = [sys.executable, "example/single_device/train.py", *args, "--batch_size", "8"]
-    single = _losses(_run(one_device))
-    port, root = str(_free_port()), os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    procs = []
-    for node in range(2):
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes=2",
-               "--nproc_per_node=2", f"--node_rank={node}", "--master_addr=127.0.0.1",
-               f"--master_port={port}", "example/fsdp/train.py", *args, "--batch_size", "2",
-               "--hsdp", "2"]  # fmt: skip
-        env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=root)
-        procs.append(
-            subprocess.Popen(
-                cmd, cwd=root, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
-            )
-        )
-    outs = [p.communicate(timeout=180) for p in procs]
-    for p, (_, err) in zip(procs, outs):
-        assert p.returncode == 0, err[-3000:]
-    losses = _losses(outs[0][0])
-    assert len(losses) == 2 == len(single), (losses, single)
-    assert max(abs(a - b) for a, b in zip(losses, single)) <= PRINT_ATOL, (losses, single)
