@@ -71,8 +71,9 @@ class FSDP(DataParallelWrapper):
         mesh: None or a 1-D ``DeviceMesh`` over every rank (plain FSDP), or a 2-D one of shape
             ``(replicas, shard_size)`` named ``("replicate", "shard")`` (HSDP: shards of
             ``1 / shard_size`` within each shard group, replicated across them, [Note: hybrid
-            sharding]); ``hsdp_mesh(replicas)`` builds one. ``world_size`` / ``rank`` are then
-            still the whole world's.
+            sharding]); ``hsdp_mesh(replicas)`` builds one. The ``world_size`` / ``rank``
+            arguments stay the whole world's; the properties of those names are the shard
+            group's.
     """
 
     collectives = ("all_gather", "reduce_scatter", "broadcast")

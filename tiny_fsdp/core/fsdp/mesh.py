@@ -18,6 +18,17 @@ when the first one is done, see ``PendingReductions``). So per step a rank moves
 ``shard_size`` ranks moves inside its node, plus one all-reduce of its ``1 / shard_size`` of the
 gradients across nodes, instead of every all-gather and reduce-scatter crossing the nodes.
 
+On gloo the all-reduce is thus issued up to one layer's backward late (by the next launch that
+finds the reduce-scatter done); issuing it at once and waiting on the host would stall the
+backward instead. Per rank, memory is FSDP's on ``shard_size`` ranks (1 / shard_size of the
+parameters, gradients and optimizer state), and the ledger counts the shard group's collectives
+under ``"shard"`` and the all-reduces under ``"replicate"`` ([Note: communication ledger]): per
+step, for P padded parameter bytes, all-gathers of P (once or twice, as in FSDP) and
+reduce-scatters of P inside the group, and all-reduces of P / shard_size across it. The edge
+layouts: 1 x N issues exactly plain FSDP's collectives (bitwise the same results, only labelled);
+N x 1 keeps whole tensors (gathers and reduce-scatters over one rank are copies) and all-reduces
+every gradient, as DDP does, per layer.
+
 Each shard group holds the whole model once, so what "every element once" means is per shard
 group: a gradient norm sums the squares over the shard group only (the replicas hold the same
 numbers), and a checkpoint is written by replica 0 alone (``FSDP.saved_piece``); loading fills

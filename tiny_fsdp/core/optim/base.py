@@ -155,8 +155,9 @@ class BaseOptimizer(torch.optim.Optimizer):
         [Note: clipping over shards]
         Every strategy's optimizer yields, across all ranks together, each trainable element
         exactly once (sharded strategies) or every element on every rank (DDP, one device). So
-        sum of squares: local, then an all-reduce when ``grads_are_sharded``. Padding rows are
-        zero and do not change the sum.
+        sum of squares: local, then an all-reduce when ``grads_are_sharded``, over the ranks of
+        ``_norm_group()`` (HSDP: one shard group, whose ranks hold each element once; the
+        replicas hold the same). Padding rows are zero and do not change the sum.
         """
         squares = [
             grad.detach().float().square().sum()
