@@ -3,8 +3,9 @@
 A (replicas, shard_size) mesh shards within each row and replicates across rows; every layout of
 4 ranks is checked: 2 x 2, 4 x 1 (DDP-like: no sharding) and 1 x 4 (plain FSDP). Oracles: one
 device with ``torch.optim``, PyTorch DDP + ``torch.optim``, FSDP2's own HSDP
-(``fully_shard(mesh=2-D mesh)``), and the byte formula of the communication ledger. All checks of
-one world size share a ``run_distributed`` call, so the 4-rank pool starts once.
+(``fully_shard(mesh=2-D mesh)``), and the byte formula of the communication ledger. Many checks
+share each ``run_distributed`` call, on one 4-rank pool (the checkpoint test also loads on 2
+ranks). The two-node torchrun run is in ``tests/test_examples.py``.
 """
 
 import copy
