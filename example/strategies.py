@@ -54,6 +54,19 @@ def _comm(args: argparse.Namespace) -> dict:
     return {} if choice is None else {"enable_async_communication": choice == "on"}
 
 
+def _mesh(args: argparse.Namespace, env: DistEnv) -> dict:
+    """``{"mesh": 2-D mesh}`` for ``--hsdp [R]`` ([Note: hybrid sharding]), else ``{}``. A bare
+    ``--hsdp`` makes one replica group per node (torchrun's LOCAL_WORLD_SIZE) and checks that
+    each shard group is one node; ``--hsdp R`` takes R as given."""
+    replicas = getattr(args, "hsdp", None)
+    if replicas is None:
+        return {}
+    from tiny_fsdp.core.fsdp import hsdp_mesh
+
+    node_local = replicas == 0
+    return {"mesh": hsdp_mesh(replicas or None, env.device.type, node_local=node_local)}
+
+
 def _single_device(make_model, args, env):
     from tiny_fsdp.core.optim import SGD, AdamW
 
@@ -121,6 +134,7 @@ def _fsdp(make_model, args, env):
         device=env.device,
         **_comm(args),
         **_precision(args),
+        **_mesh(args, env),
     )
     return model, _optimizer(FSDPAdamW, FSDPSGD, model.named_parameters(), decay, args)
 

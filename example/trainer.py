@@ -104,6 +104,17 @@ def build_arg_parser(strategy: str) -> argparse.ArgumentParser:
     p.add_argument("--sharded_ckpt", action="store_true", help="each rank saves its own shard")
     if strategy == "zero3":
         p.add_argument("--evenness_priority", type=float, default=0.0)
+    if strategy == "fsdp":
+        p.add_argument(
+            "--hsdp",
+            type=int,
+            nargs="?",
+            const=0,
+            default=None,
+            metavar="R",
+            help="hybrid sharding: R replica groups of world_size / R ranks, shards within a "
+            "group; bare --hsdp: one group per node (LOCAL_WORLD_SIZE ranks), checked",
+        )
     return p
 
 

@@ -91,3 +91,30 @@ def test_ddp_across_two_torchrun_nodes(single_device_losses):
     for ours, ref in zip(losses, single_device_losses):
         assert abs(ours - ref) <= LOSS_ATOL
     assert len(losses) == 3
+
+
+def test_fsdp_hsdp_across_two_torchrun_nodes_of_two_ranks(single_device_losses):
+    """``--hsdp 2`` on two torchrun "nodes" of 2 ranks (each node one shard group, [Note: hybrid
+    sharding]), 1 sequence per rank: the global batch of the single-device run. Two steps: the
+    learning rate of the first step, and so the second loss, do not depend on ``--steps``."""
+    port = str(_free_port())
+    args = [*COMMON[:3], "2", *COMMON[4:], "--batch_size", "1", "--hsdp", "2"]  # --steps 2
+    procs = []
+    for node in range(2):
+        launcher = [sys.executable, "-m", "torch.distributed.run", "--nnodes=2",
+                    "--nproc_per_node=2", f"--node_rank={node}", "--master_addr=127.0.0.1",
+                    f"--master_port={port}"]  # fmt: skip
+        env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=ROOT)
+        procs.append(
+            subprocess.Popen(
+                [*launcher, "example/fsdp/train.py", *args], cwd=ROOT, env=env,
+                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+            )  # fmt: skip
+        )
+    outs = [p.communicate(timeout=180) for p in procs]
+    for p, (_, err) in zip(procs, outs):
+        assert p.returncode == 0, err[-3000:]
+    losses = _losses(outs[0][0])
+    assert len(losses) == 2, outs[0][0]
+    for ours, ref in zip(losses, single_device_losses):
+        assert abs(ours - ref) <= LOSS_ATOL, (losses, single_device_losses)

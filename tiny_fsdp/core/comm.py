@@ -7,6 +7,13 @@ output; reduce-scatter: the unsharded input; broadcast / reduce: the tensor). ``
 turns payloads into the bytes a rank sends with ring algorithms, the model the ZeRO paper uses:
 an all-reduce moves 2 (N-1)/N of its payload, an all-gather, a reduce-scatter, a broadcast or a
 reduce (N-1)/N. Counting costs two dictionary updates per call.
+
+A collective issued with a ``label`` (HSDP's ``"shard"`` and ``"replicate"`` groups, [Note:
+hybrid sharding]) is also counted under it in ``group_calls`` / ``group_payload_bytes`` (keys
+``(label, kind)``), so intra-group and inter-group traffic can be told apart;
+``group_traffic_bytes(label, group_size)`` applies the ring model with that group's size. The
+totals above count every collective, labelled or not. A label names the role, not the process
+group: one group can play both roles (a 1 x N mesh's shard group is the default group).
 """
 
 from collections import Counter
@@ -29,14 +36,31 @@ class CommLedger:
 
     calls: Counter = field(default_factory=Counter)
     payload_bytes: Counter = field(default_factory=Counter)
+    group_calls: Counter = field(default_factory=Counter)  # (label, kind) -> calls
+    group_payload_bytes: Counter = field(default_factory=Counter)  # (label, kind) -> bytes
 
-    def record(self, kind: str, tensor: torch.Tensor) -> None:
+    def record(self, kind: str, tensor: torch.Tensor, label: Optional[str] = None) -> None:
+        nbytes = tensor.numel() * tensor.element_size()
         self.calls[kind] += 1
-        self.payload_bytes[kind] += tensor.numel() * tensor.element_size()
+        self.payload_bytes[kind] += nbytes
+        if label is not None:
+            self.group_calls[label, kind] += 1
+            self.group_payload_bytes[label, kind] += nbytes
 
     def reset(self) -> None:
         self.calls.clear()
         self.payload_bytes.clear()
+        self.group_calls.clear()
+        self.group_payload_bytes.clear()
+
+    def group_traffic_bytes(self, label: str, group_size: int) -> Dict[str, float]:
+        """Bytes this rank sends per kind inside the groups labelled ``label`` (ring model)."""
+        scale = (group_size - 1) / group_size
+        return {
+            kind: n * _RING_FACTOR.get(kind, 1.0) * scale
+            for (name, kind), n in self.group_payload_bytes.items()
+            if name == label
+        }
 
     def traffic_bytes(self, world_size: int) -> Dict[str, float]:
         """Bytes this rank sends per kind under the ring model (0 on one rank)."""
@@ -54,8 +78,9 @@ def all_reduce(
     op: dist.ReduceOp = dist.ReduceOp.SUM,
     group: Optional[dist.ProcessGroup] = None,
     async_op: bool = False,
+    label: Optional[str] = None,
 ) -> Optional[dist.Work]:
-    LEDGER.record("all_reduce", tensor)
+    LEDGER.record("all_reduce", tensor, label)
     return dist.all_reduce(tensor, op=op, group=group, async_op=async_op)
 
 
@@ -64,9 +89,10 @@ def all_gather(
     input: torch.Tensor,
     group: Optional[dist.ProcessGroup] = None,
     async_op: bool = False,
+    label: Optional[str] = None,
 ) -> Optional[dist.Work]:
     """``output`` (N * k,) <- the ``input`` (k,) of every rank, in rank order."""
-    LEDGER.record("all_gather", output)
+    LEDGER.record("all_gather", output, label)
     return _all_gather_tensor(output, input, group=group, async_op=async_op)
 
 
@@ -76,9 +102,10 @@ def reduce_scatter(
     op: dist.ReduceOp = dist.ReduceOp.SUM,
     group: Optional[dist.ProcessGroup] = None,
     async_op: bool = False,
+    label: Optional[str] = None,
 ) -> Optional[dist.Work]:
     """``output`` (k,) <- rank r's chunk of the reduction of every rank's ``input`` (N * k,)."""
-    LEDGER.record("reduce_scatter", input)
+    LEDGER.record("reduce_scatter", input, label)
     return _reduce_scatter_tensor(output, input, op=op, group=group, async_op=async_op)
 
 
@@ -87,8 +114,9 @@ def broadcast(
     src: int,
     group: Optional[dist.ProcessGroup] = None,
     async_op: bool = False,
+    label: Optional[str] = None,
 ) -> Optional[dist.Work]:
-    LEDGER.record("broadcast", tensor)
+    LEDGER.record("broadcast", tensor, label)
     return dist.broadcast(tensor, src=src, group=group, async_op=async_op)
 
 
@@ -98,8 +126,9 @@ def reduce(
     op: dist.ReduceOp = dist.ReduceOp.SUM,
     group: Optional[dist.ProcessGroup] = None,
     async_op: bool = False,
+    label: Optional[str] = None,
 ) -> Optional[dist.Work]:
-    LEDGER.record("reduce", tensor)
+    LEDGER.record("reduce", tensor, label)
     return dist.reduce(tensor, dst=dst, op=op, group=group, async_op=async_op)
 
 

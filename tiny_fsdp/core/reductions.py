@@ -39,13 +39,23 @@ before; when gradients accumulate onto an existing ``.grad`` they live until ``f
 of being added at once. Synchronous reduction (the old path) kept one input at a time, so the
 rise is at most ``in_flight_limit - 1`` inputs plus, when accumulating, the outputs.
 
+Two-stage reductions (HSDP: a reduce-scatter in the shard group, then an all-reduce of its
+output across the replicas, [Note: hybrid sharding]): ``launch(..., then=second)``. The second
+collective reads what the first writes, so it must not start before the first has finished. On
+CUDA both are issued at once on the reduction stream, whose order is enough. On CPU (gloo), a
+collective on another process group runs on another thread, so the second is issued only once
+the first is done: by the next ``launch`` that finds it done (``_retire_done``, which looks at
+the reductions in issue order and stops at the first unfinished one, so every rank issues the
+second stages in the same order), or by the retirement that waits for it. A reduction counts as
+in flight, and keeps its input, until both stages are done.
+
 If a backward raises before ``finalize``, the next forward calls ``abandon``: it waits for what
 is in flight and drops it undelivered (as autograd drops a failed backward's gradients).
 """
 
 from collections import deque
 from dataclasses import dataclass
-from typing import Callable, Deque, Dict, List, Sequence, Tuple
+from typing import Any, Callable, Deque, Dict, List, Optional, Sequence, Tuple
 
 import torch
 from torch import nn
@@ -63,6 +73,8 @@ class _Reduction:
     input_bytes: int
     output_bytes: int
     retired: bool = False
+    then: Optional[Launch] = None  # the second stage, not issued yet
+    async_op: bool = True
 
 
 @dataclass
@@ -111,12 +123,16 @@ class PendingReductions:
         inputs: Sequence[torch.Tensor],
         parts: Sequence[Part],
         async_op: bool,
+        then: Optional[Launch] = None,
     ) -> None:
         """Issue one reduction; ``parts`` are read (and delivered) only at ``finalize``.
 
         ``launch(async_op)`` calls the collective; ``inputs`` are the tensors it reads, kept
-        alive until it is retired; ``parts``: (parameter, slice of the output) pairs.
+        alive until it is retired; ``parts``: (parameter, slice of the output) pairs;
+        ``then``: a second collective on the output, started once the first is done.
         """
+        if then is not None and (self.streams.uses_streams or not async_op):
+            launch, then = _in_sequence(launch, then), None  # stream order / synchronous
         self._queue_finalize()
         while len(self._in_flight) >= self.in_flight_limit:
             self._retire(self._in_flight.popleft())
@@ -128,6 +144,8 @@ class PendingReductions:
             # an input that is also an output (ZeRO-3's owner) counts as an output
             input_bytes=sum(n for p, n in _storages(inputs).items() if p not in outputs),
             output_bytes=sum(outputs.values()),
+            then=then,
+            async_op=async_op,
         )
         self._all.append(reduction)
         stats = self.stats
@@ -178,15 +196,46 @@ class PendingReductions:
 
     def _retire(self, reduction: _Reduction) -> None:
         self.streams.wait(reduction.handle)
+        if reduction.then is not None:
+            self._start_second(reduction)
+            self.streams.wait(reduction.handle)
         reduction.inputs = ()
         reduction.retired = True
         self.stats.track(-reduction.input_bytes)
 
     def _retire_done(self) -> None:
-        while self._in_flight and self.streams.is_done(self._in_flight[0].handle):
+        for reduction in self._in_flight:  # in issue order: second stages start in that order
+            if reduction.then is None:
+                continue
+            if not self.streams.is_done(reduction.handle):
+                break
+            self._start_second(reduction)
+        while self._in_flight and self._is_done(self._in_flight[0]):
             self._retire(self._in_flight.popleft())
+
+    def _is_done(self, reduction: _Reduction) -> bool:
+        return reduction.then is None and self.streams.is_done(reduction.handle)
+
+    def _start_second(self, reduction: _Reduction) -> None:
+        """Issue the second stage of a reduction whose first stage is done."""
+        self.streams.wait(reduction.handle)  # returns at once
+        then, reduction.then = reduction.then, None
+        reduction.handle = self.streams.issue(REDUCE, then, reduction.async_op)
 
 
 def _storages(tensors: Sequence[torch.Tensor]) -> Dict[int, int]:
     """Address -> bytes of the distinct storages behind ``tensors`` (slices of one count once)."""
     return {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors}
+
+
+def _in_sequence(first: Launch, second: Launch) -> Launch:
+    """One launch that runs ``first``, orders the caller after it, then runs ``second``."""
+
+    def launch(async_op: bool) -> Any:
+        works = first(async_op)
+        for work in works if isinstance(works, (list, tuple)) else [works]:
+            if work is not None:
+                work.wait()  # CUDA: the current stream waits (the host does not); CPU: the host
+        return second(async_op)
+
+    return launch

@@ -37,7 +37,7 @@ Memory: the buffers of the unit being filled are counted with the reductions in 
 the state's ``accumulated_bytes``.
 
 The state (FSDP's ``FSDPState``, ZeRO-3's ``Zero3Runtime``) provides ``world_size``,
-``require_grad_sync``, ``reduce_dtype(dtype)``, ``track_accumulated(nbytes)`` and
+``grad_divisor``, ``require_grad_sync``, ``reduce_dtype(dtype)``, ``track_accumulated(nbytes)`` and
 ``reductions`` (``PendingReductions``).
 """
 
@@ -181,7 +181,7 @@ class UnitGradients:
                     self.write(buffer, param, offset, None, False)
                 offset += self.numel_in_group(param)
             buffer = buffer.to(state.reduce_dtype(group[0].dtype))  # a no_sync fp32 sum: cast
-            buffer.div_(state.world_size)  # SUM of grad / world == average, on every backend
+            buffer.div_(state.grad_divisor)  # SUM of grad / N == average, on every backend
             self.reduce_group(group, buffer, [id(p) in written for p in group])
 
     # ---------------------------------------------------------------- the strategy's part

@@ -37,6 +37,11 @@ class UnitState(Prefetcher):
         self.reductions = PendingReductions(self.streams)
         self.accumulated_bytes = 0  # of gradient sums kept across no_sync backwards
 
+    @property
+    def grad_divisor(self) -> int:
+        """Ranks a gradient is averaged over (HSDP: more than ``world_size``)."""
+        return self.world_size
+
     def use_streams(self, streams: CommStreams) -> None:
         """Issue unshards and reductions through ``streams``."""
         self.streams = streams

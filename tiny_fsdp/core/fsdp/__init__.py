@@ -2,6 +2,7 @@
 
 from tiny_fsdp.core.fsdp.fsdp import FSDP
 from tiny_fsdp.core.wrapper import IncompatibleKeys
+from tiny_fsdp.core.fsdp.mesh import MeshGroups, hsdp_mesh
 from tiny_fsdp.core.fsdp.optim import FSDPSGD, FSDPAdamW
 from tiny_fsdp.core.fsdp.sharded_param import ShardedParam, shard_info
 from tiny_fsdp.core.fsdp.state import FSDPState
@@ -14,6 +15,8 @@ __all__ = [
     "FSDPState",
     "GatherUnit",
     "IncompatibleKeys",
+    "MeshGroups",
     "ShardedParam",
+    "hsdp_mesh",
     "shard_info",
 ]

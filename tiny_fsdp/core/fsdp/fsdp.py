@@ -16,9 +16,12 @@ padding).
 The tied GPT-2 weight stays one Parameter with one shard: with per-layer units ``wte`` and
 ``lm_head`` each gather it and each reduce-scatter their own part of its gradient, summed into
 ``.grad``; in one unit (the default layout) it is gathered and reduced once.
+
+With a 2-D ``mesh`` (replicas, shard_size) the same happens inside each shard group, and the
+reduced gradient shards are all-reduced across the replicas ([Note: hybrid sharding]).
 """
 
-from typing import Dict, Iterable, List, Optional, Tuple, Union
+from typing import Any, Dict, Iterable, List, Optional, Tuple, Union
 
 import torch
 import torch.distributed as dist
@@ -26,6 +29,7 @@ from torch import nn
 
 from tiny_fsdp.core import comm, streams
 from tiny_fsdp.core.fetching_wrapper import FetchingWrapper
+from tiny_fsdp.core.fsdp.mesh import MeshGroups, mesh_groups
 from tiny_fsdp.core.fsdp.sharded_param import shard_info, shard_module
 from tiny_fsdp.core.fsdp.state import FSDPState
 from tiny_fsdp.core.fsdp.unit import GatherUnit
@@ -65,6 +69,12 @@ class FSDP(FetchingWrapper):
         mixed_precision: shards are cast to ``param_dtype`` before each all-gather (half the
             gathered bytes with bf16) and gradients reduce-scattered in ``reduce_dtype``; the
             shards, their ``.grad`` and the optimizer state stay fp32 ([Note: mixed precision]).
+        mesh: None or a 1-D ``DeviceMesh`` over every rank (plain FSDP), or a 2-D one of shape
+            ``(replicas, shard_size)`` named ``("replicate", "shard")`` (HSDP: shards of
+            ``1 / shard_size`` within each shard group, replicated across them, [Note: hybrid
+            sharding]); ``hsdp_mesh(replicas)`` builds one. The ``world_size`` / ``rank``
+            arguments stay the whole world's; the properties of those names are the shard
+            group's.
     """
 
     collectives = ("all_gather", "reduce_scatter", "broadcast")
@@ -85,14 +95,21 @@ class FSDP(FetchingWrapper):
         device: Optional[torch.device] = None,
         unit: Union[str, Iterable[nn.Module]] = "auto",
         mixed_precision: Optional[MixedPrecisionPolicy] = None,
+        mesh: Optional[Any] = None,
     ) -> None:
         require_process_group(type(self).__name__)
-        world_size, rank = _check_group(world_size, rank)
+        _check_group(world_size, rank)
+        groups = mesh_groups(mesh, type(self).__name__)  # raises on every rank alike
+        shard_size, shard_rank = groups.shard_size, groups.shard_rank
         # Created before the base __init__, which sets a switch that forwards to it.
-        self._state = FSDPState(world_size, rank, reshard_after_forward, prefetch_limit)
+        self._state = FSDPState(
+            shard_size, shard_rank, reshard_after_forward, prefetch_limit, groups
+        )
         super().__init__(module, enable_async_communication, mixed_precision)
         self._state.policy = mixed_precision
-        shard_module(self.module, rank, world_size, device, sync_module_states)
+        shard_module(
+            self.module, shard_rank, shard_size, device, sync_module_states, groups.shard_group
+        )
         self.claim(self.module.parameters())  # meta parameters were replaced by new objects
         shard_device = next((p.device for p in self.module.parameters()), torch.device("cpu"))
         self._state.use_streams(streams.streams_for(shard_device))
@@ -122,11 +139,18 @@ class FSDP(FetchingWrapper):
 
     @property
     def world_size(self) -> int:
+        """Ranks the shards are spread over: the shard group (every rank without a mesh)."""
         return self._state.world_size
 
     @property
     def rank(self) -> int:
+        """This rank's place in its shard group (its global rank without a mesh)."""
         return self._state.rank
+
+    @property
+    def mesh_groups(self) -> MeshGroups:
+        """Shard and replicate groups, sizes and ranks ([Note: hybrid sharding])."""
+        return self._state.groups
 
     # ---------------------------------------------------------------- memory
     def memory_stats(self) -> Dict[str, int]:
@@ -151,7 +175,10 @@ class FSDP(FetchingWrapper):
     def full_tensor(self, param: torch.Tensor) -> torch.Tensor:
         info = shard_info(param)
         flat = param.new_empty(info.world_size * info.shard_numel)
-        comm.all_gather(flat, param.detach().reshape(-1))
+        groups = self._state.groups
+        comm.all_gather(
+            flat, param.detach().reshape(-1), groups.shard_group, label=groups.shard_label
+        )
         return info.full_view(flat).clone()  # drop the padding
 
     def full_shape(self, param: torch.Tensor) -> Tuple[int, ...]:
@@ -167,15 +194,15 @@ class FSDP(FetchingWrapper):
         return LocalPiece(start, param.detach()[: info.valid_rows])  # a contiguous prefix
 
     def saved_piece(self, param: torch.Tensor) -> Optional[LocalPiece]:
-        return self.local_piece(param)
+        """Replica 0 writes its shard group's pieces; the other replicas hold the same."""
+        return self.local_piece(param) if self._state.groups.replicate_rank == 0 else None
 
 
-def _check_group(world_size: Optional[int], rank: Optional[int]) -> Tuple[int, int]:
+def _check_group(world_size: Optional[int], rank: Optional[int]) -> None:
     actual = (dist.get_world_size(), dist.get_rank())
     for name, given, real in (("world_size", world_size, actual[0]), ("rank", rank, actual[1])):
         if given is not None and given != real:
             raise ValueError(f"FSDP got {name}={given} but the process group has {name}={real}")
-    return actual
 
 
 def _nbytes(tensor: torch.Tensor) -> int:

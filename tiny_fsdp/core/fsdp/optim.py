@@ -35,6 +35,20 @@ class _ShardUpdates(BaseOptimizer):
                     "the wrapped model's parameters."
                 )
 
+    def _norm_group(self) -> Any:
+        """The shard group: its ranks hold each element once ([Note: hybrid sharding])."""
+        groups = {id(shard_info(p).group): shard_info(p).group for p in self._all_params()}
+        if len(groups) > 1:
+            raise ValueError(
+                f"{type(self).__name__}: parameters from FSDP models with different meshes; "
+                "use one optimizer per model"
+            )
+        return next(iter(groups.values()), None)
+
+    def _all_params(self) -> Iterator[Tensor]:
+        for group in self.param_groups:
+            yield from group["params"]
+
     def _tensors_to_update(self, group: Dict[str, Any]) -> Iterator[Tuple[Tensor, Tensor, dict]]:
         for param, grad, state in super()._tensors_to_update(group):
             rows = shard_info(param).valid_rows

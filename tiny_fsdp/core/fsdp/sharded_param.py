@@ -15,8 +15,8 @@ part in every collective with a tensor of the common size, and nothing hangs.
 
 import math
 from collections import defaultdict
-from dataclasses import dataclass
-from typing import Optional, Tuple
+from dataclasses import dataclass, field
+from typing import Any, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -31,11 +31,16 @@ SHARD_ATTR = "_tiny_fsdp_shard"
 
 @dataclass(frozen=True)
 class ShardedParam:
-    """Geometry of one parameter's dim-0 shard on ``rank`` of ``world_size`` ranks."""
+    """Geometry of one parameter's dim-0 shard on ``rank`` of ``world_size`` ranks.
+
+    ``group``: the process group of those ranks (None: the default group; HSDP's shard group,
+    [Note: hybrid sharding]).
+    """
 
     full_shape: Tuple[int, ...]
     rank: int
     world_size: int
+    group: Optional[Any] = field(default=None, compare=False, repr=False)
 
     @property
     def rows(self) -> int:
@@ -144,7 +149,11 @@ def shard_info(tensor: torch.Tensor) -> Optional[ShardedParam]:
 
 
 def make_shard_parameter(
-    param: nn.Parameter, full: torch.Tensor, rank: int, world_size: int
+    param: nn.Parameter,
+    full: torch.Tensor,
+    rank: int,
+    world_size: int,
+    group: Optional[Any] = None,
 ) -> nn.Parameter:
     """Turn ``param`` into its shard of ``full``; return the Parameter to keep.
 
@@ -152,7 +161,7 @@ def make_shard_parameter(
     except for a ``meta`` parameter, whose data cannot be swapped for a real tensor: a new
     Parameter is returned, and the caller must put it wherever the old one was.
     """
-    info = ShardedParam(tuple(full.shape), rank, world_size)
+    info = ShardedParam(tuple(full.shape), rank, world_size, group)
     shard = info.shard_of(full)
     if param.device.type == "meta":
         param = nn.Parameter(shard, requires_grad=param.requires_grad)
@@ -164,7 +173,12 @@ def make_shard_parameter(
 
 
 def shard_module(
-    root: nn.Module, rank: int, world_size: int, device: Optional[torch.device], sync: bool
+    root: nn.Module,
+    rank: int,
+    world_size: int,
+    device: Optional[torch.device],
+    sync: bool,
+    group: Optional[Any] = None,
 ) -> None:
     """Shard ``root`` in place at wrap time, one unique parameter at a time.
 
@@ -172,7 +186,9 @@ def shard_module(
     ``meta``; moved to ``device`` if given), broadcast it from rank 0 if ``sync`` (ranks cannot
     silently disagree), keep this rank's shard, and free the full tensor before the next one,
     so a rank never holds a second full copy of the model. Buffers on ``meta`` are made real
-    first by the model's own initialisation ([Note: meta buffers]).
+    first by the model's own initialisation ([Note: meta buffers]). ``rank`` / ``world_size``:
+    in ``group``, the ranks the shards are spread over (HSDP: the shard group); the broadcasts
+    reach every rank, so every replica starts from rank 0's values.
     """
     if has_meta_buffers(root):  # before the parameters: an init may need their full shapes
         materialize_buffers(root, _meta_device(device), "FSDP")
@@ -183,9 +199,9 @@ def shard_module(
                 holders[id(param)].append((module, attr))
     for name, param in list(root.named_parameters()):  # a tied parameter comes once
         full = _full_tensor(root, name, param, device)
-        if sync and world_size > 1:
+        if sync and dist.get_world_size() > 1:
             comm.broadcast(full, src=0)
-        shard = make_shard_parameter(param, full, rank, world_size)
+        shard = make_shard_parameter(param, full, rank, world_size, group)
         del full
         if shard is not param:  # meta: a new Parameter takes the old one's places
             for module, attr in holders[id(param)]:
@@ -198,7 +214,7 @@ def shard_module(
                 raise ValueError(f"buffer '{module_name}.{name}' is on meta; FSDP cannot fill it")
             if device is not None:
                 module._buffers[name] = buffer = buffer.to(device)
-            if sync and world_size > 1:
+            if sync and dist.get_world_size() > 1:
                 comm.broadcast(buffer, src=0)  # buffers stay whole, and equal on every rank
 
 

@@ -89,7 +89,8 @@ class GatherUnit(FullUnit):
             # Mixed precision: cast the shard, not the gathered tensor: half the bytes travel.
             flat = flat.to(self.state.gather_dtype(flat.dtype))
             out = flat.new_empty(self.state.world_size * flat.numel())  # (world * group_numel,)
-            handle = self.state.streams.issue(GATHER, _all_gather(out, flat), async_op)
+            groups = self.state.groups  # in the shard group, [Note: hybrid sharding]
+            handle = self.state.streams.issue(GATHER, _all_gather(out, flat, groups), async_op)
             self.state.track_gathered(_nbytes(out))
             pending.append((handle, out, flat))
         return pending
@@ -130,9 +131,10 @@ class GatherUnit(FullUnit):
         self._full_bytes = 0
 
 
-def _all_gather(out: torch.Tensor, flat: torch.Tensor) -> Launch:
+def _all_gather(out: torch.Tensor, flat: torch.Tensor, groups: Any) -> Launch:
     def launch(async_op: bool) -> Any:
-        return comm.all_gather(out, flat, async_op=async_op)
+        group, label = groups.shard_group, groups.shard_label
+        return comm.all_gather(out, flat, group=group, async_op=async_op, label=label)
 
     return launch
 

@@ -155,8 +155,9 @@ class BaseOptimizer(torch.optim.Optimizer):
         [Note: clipping over shards]
         Every strategy's optimizer yields, across all ranks together, each trainable element
         exactly once (sharded strategies) or every element on every rank (DDP, one device). So
-        sum of squares: local, then an all-reduce when ``grads_are_sharded``. Padding rows are
-        zero and do not change the sum.
+        sum of squares: local, then an all-reduce when ``grads_are_sharded``, over the ranks of
+        ``_norm_group()`` (HSDP: one shard group, whose ranks hold each element once; the
+        replicas hold the same). Padding rows are zero and do not change the sum.
         """
         squares = [
             grad.detach().float().square().sum()
@@ -168,10 +169,14 @@ class BaseOptimizer(torch.optim.Optimizer):
         if self.grads_are_sharded:
             from tiny_fsdp.core import comm  # the optimizers import nothing distributed otherwise
 
-            comm.all_reduce(total)
+            comm.all_reduce(total, group=self._norm_group())
         norm = total.sqrt()
         self._grad_scale = min(1.0, max_norm / (norm.item() + 1e-6))
         return norm
+
+    def _norm_group(self) -> Any:
+        """The process group whose ranks together hold each element once (None: all ranks)."""
+        return None
 
     def _default_device(self) -> torch.device:
         for group in self.param_groups:
