@@ -87,6 +87,40 @@ def test_matches_single_device_training(world_size: int) -> None:
         assert len(diffs) == 4 and all(d <= PARAM_ATOL for d in diffs.values()), diffs
 
 
+def _lopsided_table(rank: int, world_size: int) -> List[Any]:
+    # Rank 0 owns the embeddings and the final norm, rank 1 every block tensor: locally rank 0's
+    # blocks are empty placeholders. The unit layout (blocks + root, unit="auto") comes from
+    # full sizes, so it is the same on both ranks and their collectives pair up.
+    reference = make_model(0)
+    table = {
+        name: 1 if name.startswith("transformer.h.") else 0
+        for name, _ in reference.named_parameters()
+    }
+
+    seen: List[Zero3] = []
+
+    def wrap(model: nn.Module):
+        seen.append(Zero3(model, table))
+        opt = Zero3SGD(seen[-1].named_parameters(), param_part_table=table, lr=0.05, momentum=0.9)
+        return seen[-1], opt
+
+    check_parity(  # asserts losses and parameters against one device, step by step
+        rank,
+        world_size,
+        wrap,
+        lambda m: OPTIMIZERS["sgd_momentum"].reference(m.parameters()),
+        lambda m: m.state_dict(),
+        steps=3,
+    )
+    return [unit.name for unit in seen[0].units]
+
+
+def test_unit_layout_is_the_same_on_ranks_that_own_different_tensors() -> None:
+    names = run_distributed(_lopsided_table, 2)
+    blocks = [f"transformer.h.{i}" for i in range(CFG.n_layer)]
+    assert names[0] == names[1] == blocks + ["<root>"]
+
+
 # ------------------------------------------------------------------------- async prefetching
 
 

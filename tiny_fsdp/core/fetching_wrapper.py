@@ -9,22 +9,53 @@ the model call with the prefetcher's ``pre_forward`` / ``post_forward`` and watc
 read outside their layer ([Note: outside reads]).
 """
 
-from typing import Any
+import math
+from typing import Any, Callable, List
 
 import torch
 
+from tiny_fsdp.core.full_unit import FullUnit
 from tiny_fsdp.core.module.outside_reads import OutsideReadWatch
-from tiny_fsdp.core.prefetch import Prefetcher
+from tiny_fsdp.core.unit_grads import UnitGradients
+from tiny_fsdp.core.unit_handler import UnitHandler
+from tiny_fsdp.core.unit_layout import UnitSpec, unit_layers
+from tiny_fsdp.core.unit_state import UnitState
 from tiny_fsdp.core.wrapper import DataParallelWrapper
 
 
 class FetchingWrapper(DataParallelWrapper):
     """A wrapper whose layers fetch through a ``Prefetcher`` ([Note: fetching strategies])."""
 
-    def fetch_through(self, prefetcher: Prefetcher) -> None:
-        """The last step of a subclass's ``__init__``, once the layers have their handlers."""
-        self._prefetcher = prefetcher
+    def build_units(
+        self,
+        state: UnitState,
+        unit: UnitSpec,
+        make_unit: Callable[..., FullUnit],
+        make_grads: Callable[..., UnitGradients],
+    ) -> None:
+        """The last step of a subclass's ``__init__``: lay the layers out in units
+        (``unit_layout.py``), give each unit its gradients and each layer a ``UnitHandler``
+        ([Note: unit handler]). ``make_unit`` / ``make_grads`` take ``(name, layers, state,
+        per_tensor)``."""
+        per_tensor = isinstance(unit, str) and unit == "tensor"
+
+        def full_numel(param: torch.Tensor) -> int:  # the same on every rank
+            return math.prod(self.full_shape(param))
+
+        for name, layers in unit_layers(self.module, unit, full_numel):
+            full_unit = make_unit(name, layers, state, per_tensor)
+            grads = make_grads(name, layers, state, per_tensor)
+            state.units.append(full_unit)
+            state.unit_grads.append(grads)
+            for layer in layers:
+                UnitHandler(layer, full_unit, grads, state)
+        self._prefetcher = state
         self._reads = OutsideReadWatch(self.module)
+
+    @property
+    def units(self) -> List[FullUnit]:
+        """The units, in module order."""
+        return list(self._prefetcher.units)
 
     @property
     def prefetch_limit(self) -> int:

@@ -12,8 +12,9 @@ life cycle]) are laid out by the same rule, ``unit_layers``:
   listed module form the root unit (FSDP2's layout).
 """
 
-from typing import Dict, Iterable, List, Optional, Tuple, Union
+from typing import Callable, Dict, Iterable, List, Optional, Tuple, Union
 
+import torch
 from torch import nn
 
 from tiny_fsdp.core.module.layer import is_layer
@@ -21,12 +22,18 @@ from tiny_fsdp.core.module.layer import is_layer
 UnitSpec = Union[str, Iterable[nn.Module]]
 
 
-def unit_layers(root: nn.Module, unit: UnitSpec) -> List[Tuple[str, List[nn.Module]]]:
-    """``(name, layers)`` of every unit, in module order (see the module docstring)."""
+def unit_layers(
+    root: nn.Module, unit: UnitSpec, numel: Callable[[torch.Tensor], int] = torch.numel
+) -> List[Tuple[str, List[nn.Module]]]:
+    """``(name, layers)`` of every unit, in module order (see the module docstring).
+
+    ``numel``: elements of a parameter's *full* tensor. A wrapped model's local parameters are
+    shards or empty placeholders, different on every rank; the layout must be the same on all
+    ranks (their collectives pair up), so it is computed from full sizes."""
     names = {id(m): path or "<root>" for path, m in root.named_modules()}
     layers = [m for m in root.modules() if is_layer(m)]
     if isinstance(unit, str) and unit == "auto":
-        blocks = repeated_blocks(root)
+        blocks = repeated_blocks(root, numel)
         if blocks is None:
             return [(names[id(layer)], [layer]) for layer in layers]
         unit = blocks
@@ -56,7 +63,9 @@ def unit_layers(root: nn.Module, unit: UnitSpec) -> List[Tuple[str, List[nn.Modu
     return [(name, group) for name, group in named if group]
 
 
-def repeated_blocks(root: nn.Module) -> Optional[List[nn.Module]]:
+def repeated_blocks(
+    root: nn.Module, numel: Callable[[torch.Tensor], int] = torch.numel
+) -> Optional[List[nn.Module]]:
     """The children of the ``nn.ModuleList`` of >= 2 same-type modules holding the most
     parameter elements (a transformer's blocks), or None if the model has no such list."""
     best, best_numel = None, 0
@@ -65,7 +74,7 @@ def repeated_blocks(root: nn.Module) -> Optional[List[nn.Module]]:
             continue
         if len({type(child) for child in module}) != 1:
             continue
-        numel = sum(p.numel() for p in module.parameters())
-        if numel > best_numel:
-            best, best_numel = list(module), numel
+        total = sum(numel(p) for p in module.parameters())
+        if total > best_numel:
+            best, best_numel = list(module), total
     return best

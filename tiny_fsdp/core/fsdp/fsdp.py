@@ -21,7 +21,7 @@ With a 2-D ``mesh`` (replicas, shard_size) the same happens inside each shard gr
 reduced gradient shards are all-reduced across the replicas ([Note: hybrid sharding]).
 """
 
-from typing import Any, Dict, Iterable, List, Optional, Tuple, Union
+from typing import Any, Dict, Iterable, Optional, Tuple, Union
 
 import torch
 import torch.distributed as dist
@@ -33,8 +33,6 @@ from tiny_fsdp.core.fsdp.mesh import MeshGroups, mesh_groups
 from tiny_fsdp.core.fsdp.sharded_param import shard_info, shard_module
 from tiny_fsdp.core.fsdp.state import FSDPState
 from tiny_fsdp.core.fsdp.unit import GatherUnit
-from tiny_fsdp.core.unit_handler import UnitHandler
-from tiny_fsdp.core.unit_layout import unit_layers
 from tiny_fsdp.core.fsdp.grads import ReduceScatterGrads
 from tiny_fsdp.core.local_state import LocalPiece
 from tiny_fsdp.core.precision import MixedPrecisionPolicy
@@ -113,20 +111,7 @@ class FSDP(FetchingWrapper):
         self.claim(self.module.parameters())  # meta parameters were replaced by new objects
         shard_device = next((p.device for p in self.module.parameters()), torch.device("cpu"))
         self._state.use_streams(streams.streams_for(shard_device))
-        per_tensor = isinstance(unit, str) and unit == "tensor"
-        for name, layers in unit_layers(self.module, unit):
-            gather_unit = GatherUnit(name, layers, self._state, per_tensor)
-            grads = ReduceScatterGrads(name, layers, self._state, per_tensor)
-            self._state.units.append(gather_unit)
-            self._state.unit_grads.append(grads)
-            for layer in layers:
-                UnitHandler(layer, gather_unit, grads, self._state)
-        self.fetch_through(self._state)
-
-    @property
-    def units(self) -> List[GatherUnit]:
-        """The gather units, in module order ([Note: gather units])."""
-        return list(self._state.units)
+        self.build_units(self._state, unit, GatherUnit, ReduceScatterGrads)
 
     # A switch the handlers read during backward lives in the shared state.
     @property

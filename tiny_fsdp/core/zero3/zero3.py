@@ -30,8 +30,7 @@ from tiny_fsdp.core.local_state import LocalPiece
 from tiny_fsdp.core.meta_buffers import has_meta_buffers, materialize_buffers
 from tiny_fsdp.core.precision import MixedPrecisionPolicy
 from tiny_fsdp.core.reductions import ReduceStats
-from tiny_fsdp.core.unit_handler import UnitHandler
-from tiny_fsdp.core.unit_layout import UnitSpec, unit_layers
+from tiny_fsdp.core.unit_layout import UnitSpec
 from tiny_fsdp.core.zero3.grads import ReduceToOwnerGrads
 from tiny_fsdp.core.zero3.unit import BroadcastUnit
 from tiny_fsdp.core.zero3.runtime import ATTR, FetchStats, TensorInfo, Zero3Runtime
@@ -109,15 +108,7 @@ class Zero3(FetchingWrapper):
         self._materialize(named, self.device, sync_module_states)
         self.claim(self.module.parameters())  # meta parameters were replaced by new objects
         self._runtime.use_streams(streams.streams_for(self.device))
-        rt, per_tensor = self._runtime, isinstance(unit, str) and unit == "tensor"
-        for name, layers in unit_layers(self.module, unit):
-            broadcast_unit = BroadcastUnit(name, layers, rt, per_tensor)
-            grads = ReduceToOwnerGrads(name, layers, rt, per_tensor)
-            rt.units.append(broadcast_unit)
-            rt.unit_grads.append(grads)
-            for layer in layers:
-                UnitHandler(layer, broadcast_unit, grads, rt)
-        self.fetch_through(self._runtime)
+        self.build_units(self._runtime, unit, BroadcastUnit, ReduceToOwnerGrads)
 
     @property
     def fetch_stats(self) -> FetchStats:
@@ -134,11 +125,6 @@ class Zero3(FetchingWrapper):
     def prefetch_depth(self) -> int:
         """Deprecated name of ``prefetch_limit``."""
         return self._runtime.prefetch_limit
-
-    @property
-    def units(self) -> List[BroadcastUnit]:
-        """The broadcast units, in module order ([Note: zero3 tensor life cycle])."""
-        return list(self._runtime.units)
 
     @property
     def no_sync_bytes(self) -> int:
