@@ -118,15 +118,23 @@ def _bucketed(s: StepSetup, zero_stage: int) -> StepPlan:
         buckets = [_ceil_to(sum(s.costs.tensors[t] for t in m), n) for m in members]
     for t in fwd:
         tl.add("compute", t)
-    done_at = _tensor_done_ops(tl, fwd, s)  # backward compute
+    kind = "all_reduce" if zero_stage == 0 or gloo else "reduce_scatter"
+    remaining = [set(m) for m in members]
     launched: List[int] = []
-    for b, numel in enumerate(buckets):
-        kind = "all_reduce" if zero_stage == 0 or gloo else "reduce_scatter"
-        seconds = collective_s(cal, kind, numel * s.param_bytes, n)
-        if zero_stage == 2 and launched:
-            tl.wait([launched[-1]])  # one reduction in flight: the next launch waits
-        ready = max(done_at[t] for t in members[b])
-        launched.append(tl.add("comm", seconds, [ready], f"reduce bucket {b}"))
+    layers = s.costs.layers
+    for i in reversed(range(len(layers))):  # backward; hooks launch complete buckets in order
+        tl.add("compute", fwd[i] * (2 + s.grad_ckpt), label=f"bwd {i}")
+        if i > 0:  # a tied tensor is complete after its first (in forward order) layer
+            done = {t for t in layers[i] if all(t not in layers[j] for j in range(i))}
+        else:
+            done = set(layers[0])
+        for rest in remaining:
+            rest -= done
+        while len(launched) < len(buckets) and not remaining[len(launched)]:
+            if zero_stage == 2 and launched:
+                tl.wait([launched[-1]])  # one reduction in flight: the next launch waits
+            seconds = collective_s(cal, kind, buckets[len(launched)] * s.param_bytes, n)
+            launched.append(tl.add("comm", seconds, label=f"reduce bucket {len(launched)}"))
     tl.wait(launched)
     local = s.costs.num_params / (1 if zero_stage == 0 else n)
     tl.add("compute", local * cal.optimizer_s_per_param, label="optimizer")
@@ -146,17 +154,6 @@ def _bucketed(s: StepSetup, zero_stage: int) -> StepPlan:
     if zero_stage == 2:  # staging: the bucket reduced and the one filling
         transient = sum(sorted(buckets)[-2:]) * s.param_bytes
     return StepPlan(tl.seconds, tl.busy("compute"), tl.busy("comm"), transient)
-
-
-def _tensor_done_ops(tl: Timeline, fwd: List[float], s: StepSetup) -> Dict[int, int]:
-    """Add the backward compute ops; ``{tensor: op after which its gradient is complete}``."""
-    done: Dict[int, int] = {}
-    layers = s.costs.layers
-    for i in reversed(range(len(layers))):
-        op = tl.add("compute", 2 * fwd[i] + (fwd[i] if s.grad_ckpt else 0.0), label=f"bwd {i}")
-        for t in layers[i]:
-            done[t] = op  # the earliest layer using a tied tensor completes it (last in backward)
-    return done
 
 
 def _zero3(s: StepSetup) -> StepPlan:
