@@ -28,10 +28,11 @@ import torch.nn.functional as F
 from tests.harness import run_distributed
 from tiny_fsdp.models.gpt2 import GPT2Model, GPTConfig
 from tiny_fsdp.plan import STRATEGIES, gpt2_costs, plan
-from tiny_fsdp.plan.measure import calibrate_in_group, calibration_from
+from tiny_fsdp.plan.measure import Calibrator, calibration_from
 
 CONFIG = GPTConfig(block_size=64, vocab_size=256, n_layer=2, n_head=4, n_embd=64)
 BATCH, SEQ, STEPS = 8, 64, 7
+EXTRA = ("single_device",)
 MEMORY_TOLERANCE = 0.10  # the bound; memory is counted, not sampled
 TIME_TOLERANCE = 0.25  # the bound; medians absorb the shared machine's noise
 
@@ -70,14 +71,14 @@ def _calibrate_and_measure(rank, world):
 
     device = torch.device("cpu")
     shape = (BATCH * SEQ, CONFIG.n_embd, 4 * CONFIG.n_embd)  # the model's own matrix products
-    calibration = calibrate_in_group(device, shape, sizes=(2**10, 2**14, 2**19), reps=5)
+    calibrator = Calibrator(device, shape, sizes=(2**10, 2**14, 2**19))
     env = DistEnv(rank, rank, world, device)
     args = argparse.Namespace(
         optimizer="adamw", lr=1e-3, weight_decay=0.1, momentum=0.9, precision="fp32",
         evenness_priority=0.0,
     )  # fmt: skip
     torch.manual_seed(0)
-    built = {name: BUILD[name](lambda: GPT2Model(CONFIG), args, env) for name in STRATEGIES}
+    built = {name: BUILD[name](lambda: GPT2Model(CONFIG), args, env) for name in STRATEGIES + EXTRA}
     gen = torch.Generator().manual_seed(rank)
     x = torch.randint(0, CONFIG.vocab_size, (BATCH, SEQ), generator=gen)
     y = torch.randint(0, CONFIG.vocab_size, (BATCH, SEQ), generator=gen)
@@ -97,8 +98,11 @@ def _calibrate_and_measure(rank, world):
         states = memory_ledger(model, optimizer).total
         optimizer.zero_grad(set_to_none=True)
         memory[name] = (states, saved, _transient_bytes(name, model))
-    times = {name: [] for name in STRATEGIES}
-    for step in range(STEPS):
+    times = {name: [] for name in built}
+    calibrator.sample()  # warm-up
+    calibrator.reset()
+    for step in range(STEPS):  # calibrate between the steps: the same load for both
+        calibrator.sample()
         order = list(built.items()) if step % 2 else list(built.items())[::-1]
         for name, (model, optimizer) in order:
             dist.barrier()
@@ -110,7 +114,7 @@ def _calibrate_and_measure(rank, world):
             dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
             times[name].append(elapsed.item())
     step_ms = {name: 1e3 * statistics.median(t) for name, t in times.items()}
-    return calibration, memory, step_ms
+    return calibrator.result(), memory, step_ms
 
 
 def validation_table(world_sizes=(1, 2, 3, 4)):

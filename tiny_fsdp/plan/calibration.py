@@ -47,6 +47,8 @@ class Calibration:
     latency_s: float
     bandwidth_bytes_per_s: float
     inter_node_bandwidth_bytes_per_s: Optional[float] = None
+    wrapper_layer_s: Dict[str, float] = field(default_factory=dict)
+    overlap: float = 1.0
     collectives: Dict[str, Dict[int, Dict[str, float]]] = field(default_factory=dict)
     sources: Dict[str, str] = field(default_factory=dict)
 
@@ -70,6 +72,8 @@ class Calibration:
             latency_s=float(link["latency_s"]),
             bandwidth_bytes_per_s=float(link["bandwidth_bytes_per_s"]),
             inter_node_bandwidth_bytes_per_s=link.get("inter_node_bandwidth_bytes_per_s"),
+            wrapper_layer_s={k: float(v) for k, v in compute.get("wrapper_layer_s", {}).items()},
+            overlap=float(compute.get("overlap", 1.0)),
             collectives=collectives,
             sources=dict(data.get("sources", {})),
         )
@@ -83,6 +87,8 @@ class Calibration:
                 "optimizer_s_per_param": self.optimizer_s_per_param,
                 "layer_overhead_s": self.layer_overhead_s,
                 "activation_s_per_byte": self.activation_s_per_byte,
+                "wrapper_layer_s": self.wrapper_layer_s,
+                "overlap": self.overlap,
             },
             "link": {
                 "latency_s": self.latency_s,

@@ -10,16 +10,19 @@ import os
 import socket
 import statistics
 import time
-from typing import Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 from torch import nn
 
 from tiny_fsdp.plan.calibration import KINDS, Calibration
 
 DEFAULT_SIZES = (2**12, 2**16, 2**20)  # payload bytes of the collectives timed
 DEFAULT_SHAPE = (2048, 1024, 4096)  # (rows, in, out) of the timed matrix product
+SUSTAIN = 8  # runs per compute sample
+WRAPPED = ("ddp", "zero1", "zero2", "zero3", "fsdp")
 
 
 def _sync(device: torch.device) -> None:
@@ -27,92 +30,199 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def _median_s(fn: Callable[[], None], device: torch.device, reps: int, group_sync: bool) -> float:
-    """Median seconds of ``fn`` over ``reps`` runs (after one warm-up), the slowest rank's."""
+def _timed_s(fn: Callable[[], None], device: torch.device) -> float:
+    """Seconds of one ``fn`` started on every rank together (after a barrier)."""
+    _sync(device)
+    dist.barrier()
+    start = time.perf_counter()
     fn()
-    times = []
-    for _ in range(reps):
-        _sync(device)
-        if group_sync:
-            dist.barrier()
-        start = time.perf_counter()
-        fn()
-        _sync(device)
-        times.append(time.perf_counter() - start)
-    t = torch.tensor([statistics.median(times)], dtype=torch.float64)
-    if group_sync:
-        dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return t.item()
+    _sync(device)
+    return time.perf_counter() - start
 
 
-def measure_compute(
-    device: torch.device, shape: Sequence[int] = DEFAULT_SHAPE, reps: int = 5
-) -> Dict[str, float]:
-    """Matrix-product FLOP/s (forward and both backward products, as training runs them),
-    elementwise seconds per activation byte, AdamW seconds per element and the fixed seconds
-    per layer, every rank at once ([Note: calibration])."""
+class _Probe(nn.Module):
+    """``layers`` tiny linear blocks in a ``ModuleList``: FSDP's auto units are its blocks."""
+
+    def __init__(self, layers: int = 16, width: int = 8) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(nn.Linear(width, width) for _ in range(layers))
+
+    @torch.no_grad()
+    def init_parameter(self, name: str, tensor: torch.Tensor) -> None:
+        tensor.fill_(0.01)  # [Note: per-parameter init]: any pure function of the name
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = block(x)
+        return x
+
+
+def _wrap(strategy: str, device: torch.device):
+    """``(model, optimizer)`` of ``_Probe`` under ``strategy`` with the default arguments."""
+    from tiny_fsdp.core.ddp import DDP, DDPAdamW
+    from tiny_fsdp.core.fsdp import FSDP, FSDPAdamW
     from tiny_fsdp.core.optim import AdamW
+    from tiny_fsdp.core.zero import Zero1, Zero1AdamW, Zero2, Zero2AdamW
+    from tiny_fsdp.core.zero3 import Zero3, Zero3AdamW, zero3_partition_tensors
 
-    rows, d_in, d_out = shape
-    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    x = torch.randn(rows, d_in, device=device, dtype=dtype)
-    w = torch.randn(d_in, d_out, device=device, dtype=dtype)
-    g = torch.randn(rows, d_out, device=device, dtype=dtype)
-
-    def products() -> None:
-        x @ w, g @ w.T, x.T @ g  # forward, input gradient, weight gradient
-
-    grouped = dist.is_initialized()
-    matmul_s = _median_s(products, device, reps, grouped)
-    param = nn.Parameter(torch.zeros(2**20, device=device))
-    param.grad = torch.ones_like(param)
-    optimizer = AdamW([param], lr=1e-3)
-    optimizer_s = _median_s(optimizer.step, device, reps, grouped)
-    act = torch.randn(rows, d_out, device=device, dtype=dtype, requires_grad=True)
-    norm = nn.LayerNorm(d_out).to(device=device, dtype=dtype)
-
-    def elementwise() -> None:  # keeps act and the norm's output (GELU's input): 2 tensors
-        torch.nn.functional.gelu(norm(act)).sum().backward()
-
-    elementwise_s = _median_s(elementwise, device, reps, grouped)
-    width = 8  # a layer so small that its time is the fixed cost of running a layer
-    layers = nn.Sequential(*(nn.Linear(width, width) for _ in range(16))).to(device)
-    small = torch.randn(4, width, device=device)
-    layer_s = _median_s(lambda: layers(small).sum().backward(), device, reps, grouped)
-    return {
-        "flops_per_s": 3 * 2 * rows * d_in * d_out / matmul_s,
-        "optimizer_s_per_param": optimizer_s / param.numel(),
-        "layer_overhead_s": layer_s / len(layers),
-        "activation_s_per_byte": elementwise_s / (2 * act.numel() * act.element_size()),
-    }
+    torch.manual_seed(0)
+    if strategy in ("zero3", "fsdp"):
+        with torch.device("meta"):
+            meta = _Probe()
+        if strategy == "fsdp":
+            model = FSDP(meta, device=device)
+            return model, FSDPAdamW(model.parameters())
+        ranks = [device.type] * dist.get_world_size()
+        table, _ = zero3_partition_tensors(dict(meta.named_parameters()), ranks)
+        model = Zero3(meta, table)
+        return model, Zero3AdamW(model.module.named_parameters(), param_part_table=table)
+    plain = _Probe().to(device)
+    if strategy == "plain":
+        return plain, AdamW(plain.parameters())
+    wrapper, optim = {"ddp": (DDP, DDPAdamW), "zero1": (Zero1, Zero1AdamW),
+                      "zero2": (Zero2, Zero2AdamW)}[strategy]  # fmt: skip
+    model = wrapper(plain)
+    return model, optim(model.parameters())
 
 
-def measure_collectives(
-    device: torch.device, sizes: Sequence[int] = DEFAULT_SIZES, reps: int = 5
-) -> Dict[str, Dict[str, float]]:
-    """``{kind: {"alpha_s", "beta_s_per_byte"}}`` on the default group, least squares over
-    ``sizes`` (payload bytes, [Note: collective costs]), through ``tiny_fsdp.core.comm``."""
-    from tiny_fsdp.core import comm
+class Calibrator:
+    """Micro-benchmarks of this machine on the default group ([Note: calibration]).
 
-    n, rank = dist.get_world_size(), dist.get_rank()
-    fits = {}
-    for kind in KINDS:
-        points: List[Tuple[float, float]] = []
-        for size in sizes:
+    ``sample()`` runs each once on every rank at the same time; ``result()`` is the medians
+    (the slowest rank's) and the alpha-beta fits. Calling ``sample()`` between the steps of a
+    workload calibrates the machine under the same load as the workload.
+
+    Benchmarks: matrix products of ``shape = (rows, in, out)`` (forward and both backward
+    products); a LayerNorm + GELU forward and backward (elementwise work per activation byte);
+    one AdamW step of 2^20 elements; a forward and backward of 16 tiny linear layers (the fixed
+    cost of a layer); the same probe under each strategy with its default arguments (the
+    wrapper's cost per layer beyond its collectives, whose ``alpha`` the ledger's counts
+    subtract); every collective kind at each of ``sizes`` payload bytes; an asynchronous
+    all-reduce issued before the matrix products and waited for after them (``overlap``).
+    """
+
+    def __init__(self, device: torch.device, shape=DEFAULT_SHAPE, sizes=DEFAULT_SIZES) -> None:
+        from tiny_fsdp.core.optim import AdamW
+
+        self.device, self.shape, self.sizes = device, tuple(shape), tuple(sizes)
+        rows, d_in, d_out = shape
+        dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+        self._x = torch.randn(rows, d_in, device=device, dtype=dtype)
+        self._w = torch.randn(d_in, d_out, device=device, dtype=dtype)
+        self._g = torch.randn(rows, d_out, device=device, dtype=dtype)
+        self._act = torch.randn(rows, d_out, device=device, dtype=dtype, requires_grad=True)
+        self._norm = nn.LayerNorm(d_out).to(device=device, dtype=dtype)
+        self._param = nn.Parameter(torch.zeros(2**20, device=device))
+        self._param.grad = torch.ones_like(self._param)
+        self._adamw = AdamW([self._param], lr=1e-3)
+        self._probes = {name: _wrap(name, device) for name in ("plain",) + WRAPPED}
+        self._probe_in = torch.randn(4, 8, device=device)
+        self._samples: Dict[str, List[float]] = {}
+        # Warm-up, and each wrapper's collectives per probe step, by kind.
+        self._calls = {name: self._count_calls(name) for name in self._probes}
+
+    def _count_calls(self, name: str) -> Dict[str, int]:
+        from tiny_fsdp.core.comm import LEDGER
+
+        self._probe_step(name)
+        LEDGER.reset()
+        self._probe_step(name)
+        calls = dict(LEDGER.calls)
+        LEDGER.reset()
+        return calls
+
+    def _probe_step(self, name: str) -> None:
+        model, optimizer = self._probes[name]
+        model(self._probe_in).sum().backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    def _record(self, key: str, fn: Callable[[], None], repeat: int = 1) -> None:
+        """One sample of ``fn``: ``repeat`` runs back to back (sustained, as in a training
+        step, not a burst), seconds per run."""
+
+        def runs() -> None:
+            for _ in range(repeat):
+                fn()
+
+        self._samples.setdefault(key, []).append(_timed_s(runs, self.device) / repeat)
+
+    def reset(self) -> None:
+        """Forget the samples taken so far (e.g. a warm-up)."""
+        self._samples.clear()
+
+    def sample(self) -> None:
+        """Run every benchmark once, on every rank at once."""
+        from tiny_fsdp.core import comm
+
+        x, w, g = self._x, self._w, self._g
+        self._record("matmul", lambda: (x @ w, g @ w.T, x.T @ g), SUSTAIN)
+        elementwise = lambda: F.gelu(self._norm(self._act)).sum().backward()  # noqa: E731
+        self._record("elementwise", elementwise, SUSTAIN)
+        self._record("adamw", self._adamw.step)
+        for name in self._probes:
+            self._record(f"probe {name}", lambda: self._probe_step(name), SUSTAIN)
+        plain = self._samples["probe plain"][-1]
+        for name in WRAPPED:  # paired with the plain probe of the same sample: less noise
+            extra = self._samples[f"probe {name}"][-1] - plain
+            self._samples.setdefault(f"extra {name}", []).append(extra)
+        # Overlap: an asynchronous all-reduce issued before the matrix products, waited after.
+        busy = torch.zeros(max(1, self.sizes[-1] // 4), device=self.device)
+        products = lambda: [(x @ w, g @ w.T, x.T @ g) for _ in range(SUSTAIN)]  # noqa: E731
+        self._record(
+            "overlap", lambda: (comm.all_reduce(busy, async_op=True), products())[0].wait()
+        )
+        self._record("overlap comm", lambda: comm.all_reduce(busy))
+        n = dist.get_world_size()
+        for size in self.sizes:
             numel = max(n, size // 4 // n * n)
-            full = torch.zeros(numel, device=device)
-            part = torch.zeros(numel // n, device=device)
-            call = {
+            full = torch.zeros(numel, device=self.device)
+            part = torch.zeros(numel // n, device=self.device)
+            calls = {
                 "all_reduce": lambda: comm.all_reduce(full),
                 "all_gather": lambda: comm.all_gather(full, part),
                 "reduce_scatter": lambda: comm.reduce_scatter(part, full),
                 "broadcast": lambda: comm.broadcast(full, src=0),
                 "reduce": lambda: comm.reduce(full, dst=0),
-            }[kind]
-            points.append((numel * 4, _median_s(call, device, reps, True)))
-        fits[kind] = _fit(points)
-    del rank
-    return fits
+            }
+            for kind in KINDS:
+                self._record(f"{kind} {numel * 4}", calls[kind])
+
+    def result(self) -> Tuple[Dict[str, Any], Dict[str, Dict[str, float]]]:
+        """``(compute, collectives)``: the medians over samples, the same on every rank."""
+        keys = sorted(self._samples)
+        local = torch.tensor(
+            [statistics.median(self._samples[k]) for k in keys], dtype=torch.float64
+        )
+        dist.all_reduce(local, op=dist.ReduceOp.MAX)
+        med = dict(zip(keys, local.tolist()))
+        rows, d_in, d_out = self.shape
+        fits = {}
+        for kind in KINDS:
+            points = [(float(k.split()[1]), v) for k, v in med.items() if k.split()[0] == kind]
+            fits[kind] = _fit(points)
+        layers = len(_Probe().blocks)
+        wrapper = {}
+        for name in WRAPPED:
+            alphas = sum(c * fits[k]["alpha_s"] for k, c in self._calls[name].items() if k in fits)
+            wrapper[name] = max(0.0, (med[f"extra {name}"] - alphas) / layers)
+        act_bytes = 2 * self._act.numel() * self._act.element_size()  # act and GELU's input
+        compute = {
+            "flops_per_s": 3 * 2 * rows * d_in * d_out / med["matmul"],
+            "optimizer_s_per_param": med["adamw"] / self._param.numel(),
+            "layer_overhead_s": med["probe plain"] / layers,
+            "activation_s_per_byte": med["elementwise"] / act_bytes,
+            "wrapper_layer_s": wrapper,
+            "overlap": _overlap(SUSTAIN * med["matmul"], med["overlap comm"], med["overlap"]),
+        }
+        return compute, fits
+
+
+def _overlap(compute_s: float, comm_s: float, both_s: float) -> float:
+    """The share of the shorter of two tasks hidden when they run together: 1 if together they
+    take the longer one's time, 0 if the sum."""
+    hidden = compute_s + comm_s - both_s
+    return min(1.0, max(0.0, hidden / max(1e-12, min(compute_s, comm_s))))
 
 
 def _fit(points: Sequence[Tuple[float, float]]) -> Dict[str, float]:
@@ -131,8 +241,14 @@ def calibrate_in_group(
     sizes: Sequence[int] = DEFAULT_SIZES,
     reps: int = 5,
 ) -> Tuple[Dict[str, float], Dict[str, Dict[str, float]]]:
-    """``(compute, collectives)`` measured on the default group, identical on every rank."""
-    return measure_compute(device, shape, reps), measure_collectives(device, sizes, reps)
+    """``(compute, collectives)`` of ``reps`` samples on the default group ([Note:
+    calibration]), identical on every rank."""
+    calibrator = Calibrator(device, shape, sizes)
+    calibrator.sample()  # warm-up
+    calibrator.reset()
+    for _ in range(reps):
+        calibrator.sample()
+    return calibrator.result()
 
 
 def _worker(rank: int, world: int, port: int, use_cuda: bool, shape, sizes, queue) -> None:
@@ -206,6 +322,8 @@ def calibration_from(
         optimizer_s_per_param=compute["optimizer_s_per_param"],
         layer_overhead_s=compute["layer_overhead_s"],
         activation_s_per_byte=compute["activation_s_per_byte"],
+        wrapper_layer_s=dict(compute.get("wrapper_layer_s", {})),
+        overlap=compute.get("overlap", 1.0),
         latency_s=latency,
         bandwidth_bytes_per_s=bandwidth,
         collectives=collectives,

@@ -65,19 +65,27 @@ class StepPlan:
     transient_bytes: int  # gathered parameters, reduce / staging buffers at their peak
 
 
+def _planned(tl: Timeline, cal: Calibration, transient: float) -> StepPlan:
+    """The step of timeline ``tl``, with the calibration's overlap ([Note: calibration])."""
+    compute, comm = tl.busy("compute"), tl.busy("comm")
+    seconds = cal.overlap * tl.seconds + (1 - cal.overlap) * max(tl.seconds, compute + comm)
+    return StepPlan(seconds, compute, comm, int(transient))
+
+
 def _ceil_to(n: int, k: int) -> int:
     return -(-n // k) * k
 
 
-def _layer_seconds(s: StepSetup) -> List[float]:
-    """Forward seconds per layer ([Note: strategy schedules])."""
+def _layer_seconds(s: StepSetup, strategy: str) -> List[float]:
+    """Forward seconds per layer ([Note: strategy schedules]); backward takes twice as long."""
     cal, costs = s.calibration, s.costs
     layers = len(costs.layers)
     shared = 2.0 * costs.attention_flops_per_token * s.seq_len * s.tokens / cal.flops_per_s
     shared += costs.activation_bytes(s.tokens, s.act_bytes) * cal.activation_s_per_byte / 3
+    wrapper = cal.wrapper_layer_s.get("fsdp" if strategy == "hsdp" else strategy, 0.0)
+    fixed = (cal.layer_overhead_s + wrapper) / 3
     return [
-        2.0 * m * s.tokens / cal.flops_per_s + shared / layers + cal.layer_overhead_s / 3
-        for m in costs.layer_matmul
+        2.0 * m * s.tokens / cal.flops_per_s + shared / layers + fixed for m in costs.layer_matmul
     ]
 
 
@@ -109,7 +117,7 @@ def _bucket_members(s: StepSetup) -> List[List[int]]:
 def _bucketed(s: StepSetup, zero_stage: int) -> StepPlan:
     """DDP (``zero_stage`` 0) and ZeRO-1/2: bucketed reductions overlapping backward."""
     cal, n, tl = s.calibration, s.world_size, Timeline()
-    fwd = _layer_seconds(s)
+    fwd = _layer_seconds(s, ("ddp", "zero1", "zero2")[zero_stage])
     gloo = cal.backend == "gloo"
     members = _bucket_members(s)
     if zero_stage == 0:  # DDP: one flag element per parameter rides in its bucket
@@ -153,12 +161,12 @@ def _bucketed(s: StepSetup, zero_stage: int) -> StepPlan:
     transient = 0
     if zero_stage == 2:  # staging: the bucket reduced and the one filling
         transient = sum(sorted(buckets)[-2:]) * s.param_bytes
-    return StepPlan(tl.seconds, tl.busy("compute"), tl.busy("comm"), transient)
+    return _planned(tl, cal, transient)
 
 
 def _zero3(s: StepSetup) -> StepPlan:
     cal, n, tl, costs = s.calibration, s.world_size, Timeline(), s.costs
-    fwd = _layer_seconds(s)
+    fwd = _layer_seconds(s, "zero3")
     if n == 1:
         _compute(tl, fwd, s)
     else:
@@ -200,14 +208,14 @@ def _zero3(s: StepSetup) -> StepPlan:
     largest = sorted((sum(costs.tensors[t] for t in layer) for layer in costs.layers))
     fetched = sum(largest[-(ZERO3_PREFETCH + 1) :]) * s.param_bytes * (n - 1) / n if n > 1 else 0
     reduce = sum(sorted(costs.tensors)[-IN_FLIGHT:]) * 4 if n > 1 else 0
-    return StepPlan(tl.seconds, tl.busy("compute"), tl.busy("comm"), int(fetched + reduce))
+    return _planned(tl, cal, fetched + reduce)
 
 
 def _fsdp(s: StepSetup) -> StepPlan:
     cal, tl, costs = s.calibration, Timeline(), s.costs
     shard_world = s.world_size // s.replicas
     n = shard_world
-    fwd = _layer_seconds(s)
+    fwd = _layer_seconds(s, "fsdp")
     unit_of: Dict[int, int] = {t: u for u, unit in enumerate(costs.units) for t in unit}
     layer_unit = [unit_of[layer[0]] for layer in costs.layers]
     padded = [sum(_ceil_to(costs.tensors[t], n) for t in unit) for unit in costs.units]
