@@ -32,7 +32,6 @@ from tiny_fsdp.plan.measure import Calibrator, calibration_from
 
 CONFIG = GPTConfig(block_size=64, vocab_size=256, n_layer=2, n_head=4, n_embd=64)
 BATCH, SEQ, STEPS = 8, 64, 7
-EXTRA = ("single_device",)
 MEMORY_TOLERANCE = 0.10  # the bound; memory is counted, not sampled
 TIME_TOLERANCE = 0.25  # the bound; medians absorb the shared machine's noise
 
@@ -71,14 +70,14 @@ def _calibrate_and_measure(rank, world):
 
     device = torch.device("cpu")
     shape = (BATCH * SEQ, CONFIG.n_embd, 4 * CONFIG.n_embd)  # the model's own matrix products
-    calibrator = Calibrator(device, shape, sizes=(2**10, 2**14, 2**19))
+    calibrator = Calibrator(device, shape, sizes=(2**10, 2**19))
     env = DistEnv(rank, rank, world, device)
     args = argparse.Namespace(
         optimizer="adamw", lr=1e-3, weight_decay=0.1, momentum=0.9, precision="fp32",
         evenness_priority=0.0,
     )  # fmt: skip
     torch.manual_seed(0)
-    built = {name: BUILD[name](lambda: GPT2Model(CONFIG), args, env) for name in STRATEGIES + EXTRA}
+    built = {name: BUILD[name](lambda: GPT2Model(CONFIG), args, env) for name in STRATEGIES}
     gen = torch.Generator().manual_seed(rank)
     x = torch.randint(0, CONFIG.vocab_size, (BATCH, SEQ), generator=gen)
     y = torch.randint(0, CONFIG.vocab_size, (BATCH, SEQ), generator=gen)
@@ -146,15 +145,20 @@ def format_rows(rows) -> str:
     return "\n".join(lines)
 
 
-@pytest.mark.timeout(300)
-def test_planner_predicts_memory_and_step_time_on_1_to_4_ranks():
+@pytest.fixture(scope="module")
+def table():
     rows = validation_table()
     print("\n" + format_rows(rows))
-    misses = [
-        (w, n, round(pm / mm - 1, 3), round(pt / mt - 1, 3))
-        for w, n, pm, mm, pt, mt in rows
-        if abs(pm / mm - 1) > MEMORY_TOLERANCE or abs(pt / mt - 1) > TIME_TOLERANCE
-    ]
-    assert (
-        not misses
-    ), "(ranks, strategy, memory error, time error) out of tolerance:\n" + format_rows(rows)
+    return rows
+
+
+def test_planner_predicts_peak_memory_per_rank_within_10_percent(table):
+    misses = [(w, n, round(pm / mm - 1, 3)) for w, n, pm, mm, _, _ in table
+              if abs(pm / mm - 1) > MEMORY_TOLERANCE]  # fmt: skip
+    assert not misses, "(ranks, strategy, error) out of tolerance:\n" + format_rows(table)
+
+
+def test_planner_predicts_step_time_within_25_percent(table):
+    misses = [(w, n, round(pt / mt - 1, 3)) for w, n, _, _, pt, mt in table
+              if abs(pt / mt - 1) > TIME_TOLERANCE]  # fmt: skip
+    assert not misses, "(ranks, strategy, error) out of tolerance:\n" + format_rows(table)

@@ -17,7 +17,8 @@ a datasheet, a paper). Fields:
   of ``P`` payload bytes ([Note: communication ledger]) is ``alpha + beta * P`` (Hockney's
   alpha-beta model), fitted to measurements at a few sizes.
 - ``link``: for world sizes not measured, a ring over links of ``latency_s`` and
-  ``bandwidth_bytes_per_s`` (the NIC for ``inter_node_bandwidth_bytes_per_s``): a collective
+  ``bandwidth_bytes_per_s`` (the NIC's ``inter_node_bandwidth_bytes_per_s`` once a ring spans
+  more than ``ranks_per_node`` ranks: the slowest link sets a ring's pace): a collective
   takes ``steps * latency + volume / bandwidth`` with the ring's steps and volume ([Note:
   collective costs]).
 
@@ -47,6 +48,7 @@ class Calibration:
     latency_s: float
     bandwidth_bytes_per_s: float
     inter_node_bandwidth_bytes_per_s: Optional[float] = None
+    ranks_per_node: Optional[int] = None
     wrapper_layer_s: Dict[str, float] = field(default_factory=dict)
     overlap: float = 1.0
     collectives: Dict[str, Dict[int, Dict[str, float]]] = field(default_factory=dict)
@@ -72,6 +74,7 @@ class Calibration:
             latency_s=float(link["latency_s"]),
             bandwidth_bytes_per_s=float(link["bandwidth_bytes_per_s"]),
             inter_node_bandwidth_bytes_per_s=link.get("inter_node_bandwidth_bytes_per_s"),
+            ranks_per_node=link.get("ranks_per_node"),
             wrapper_layer_s={k: float(v) for k, v in compute.get("wrapper_layer_s", {}).items()},
             overlap=float(compute.get("overlap", 1.0)),
             collectives=collectives,
@@ -94,6 +97,7 @@ class Calibration:
                 "latency_s": self.latency_s,
                 "bandwidth_bytes_per_s": self.bandwidth_bytes_per_s,
                 "inter_node_bandwidth_bytes_per_s": self.inter_node_bandwidth_bytes_per_s,
+                "ranks_per_node": self.ranks_per_node,
             },
             "collectives": {
                 kind: {str(n): fit for n, fit in sorted(per_world.items())}

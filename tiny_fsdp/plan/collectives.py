@@ -11,8 +11,8 @@ ring of ``N`` ranks over links of latency ``a`` and bandwidth ``B``:
     broadcast, reduce         N - 1          (N - 1) / N * P   (pipelined chunks)
 
 and ``time = steps * a + bytes / B`` (Patarasuk and Yuan 2009; Thakur et al. 2005). One rank
-communicates nothing: 0 s. HSDP's all-reduce across replica groups uses the inter-node
-bandwidth when the calibration gives one.
+communicates nothing: 0 s. A ring of more ranks than a node holds, and HSDP's all-reduce across
+replica groups, run at the inter-node bandwidth when the calibration gives one.
 """
 
 from tiny_fsdp.plan.calibration import Calibration
@@ -36,6 +36,8 @@ def collective_s(
     n = world_size
     factor = _STEPS.get(kind, 1.0)
     bandwidth = calibration.bandwidth_bytes_per_s
+    per_node = calibration.ranks_per_node
+    inter_node = inter_node or (per_node is not None and world_size > per_node)
     if inter_node and calibration.inter_node_bandwidth_bytes_per_s:
         bandwidth = calibration.inter_node_bandwidth_bytes_per_s
     steps = factor * (n - 1)

@@ -21,7 +21,7 @@ from tiny_fsdp.plan.calibration import KINDS, Calibration
 
 DEFAULT_SIZES = (2**12, 2**16, 2**20)  # payload bytes of the collectives timed
 DEFAULT_SHAPE = (2048, 1024, 4096)  # (rows, in, out) of the timed matrix product
-SUSTAIN = 8  # runs per compute sample
+SUSTAIN = 4  # runs per compute sample
 WRAPPED = ("ddp", "zero1", "zero2", "zero3", "fsdp")
 
 
@@ -43,7 +43,7 @@ def _timed_s(fn: Callable[[], None], device: torch.device) -> float:
 class _Probe(nn.Module):
     """``layers`` tiny linear blocks in a ``ModuleList``: FSDP's auto units are its blocks."""
 
-    def __init__(self, layers: int = 16, width: int = 8) -> None:
+    def __init__(self, layers: int = 8, width: int = 8) -> None:
         super().__init__()
         self.blocks = nn.ModuleList(nn.Linear(width, width) for _ in range(layers))
 
@@ -94,7 +94,7 @@ class Calibrator:
 
     Benchmarks: matrix products of ``shape = (rows, in, out)`` (forward and both backward
     products); a LayerNorm + GELU forward and backward (elementwise work per activation byte);
-    one AdamW step of 2^20 elements; a forward and backward of 16 tiny linear layers (the fixed
+    one AdamW step of 2^18 elements; a forward and backward of 8 tiny linear layers (the fixed
     cost of a layer); the same probe under each strategy with its default arguments (the
     wrapper's cost per layer beyond its collectives, whose ``alpha`` the ledger's counts
     subtract); every collective kind at each of ``sizes`` payload bytes; an asynchronous
@@ -112,7 +112,7 @@ class Calibrator:
         self._g = torch.randn(rows, d_out, device=device, dtype=dtype)
         self._act = torch.randn(rows, d_out, device=device, dtype=dtype, requires_grad=True)
         self._norm = nn.LayerNorm(d_out).to(device=device, dtype=dtype)
-        self._param = nn.Parameter(torch.zeros(2**20, device=device))
+        self._param = nn.Parameter(torch.zeros(2**18, device=device))
         self._param.grad = torch.ones_like(self._param)
         self._adamw = AdamW([self._param], lr=1e-3)
         self._probes = {name: _wrap(name, device) for name in ("plain",) + WRAPPED}
