@@ -21,7 +21,7 @@ from tiny_fsdp.plan.calibration import KINDS, Calibration
 
 DEFAULT_SIZES = (2**12, 2**16, 2**20)  # payload bytes of the collectives timed
 DEFAULT_SHAPE = (2048, 1024, 4096)  # (rows, in, out) of the timed matrix product
-SUSTAIN = 4  # runs per compute sample
+SAMPLE_S = 0.02  # a compute sample runs its benchmark back to back for about this long
 WRAPPED = ("ddp", "zero1", "zero2", "zero3", "fsdp")
 
 
@@ -118,6 +118,7 @@ class Calibrator:
         self._probes = {name: _wrap(name, device) for name in ("plain",) + WRAPPED}
         self._probe_in = torch.randn(4, 8, device=device)
         self._samples: Dict[str, List[float]] = {}
+        self._repeats: Dict[str, int] = {}  # runs per sustained sample (same on every rank)
         # Warm-up, and each wrapper's collectives per probe step, by kind.
         self._calls = {name: self._count_calls(name) for name in self._probes}
 
@@ -137,9 +138,18 @@ class Calibrator:
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
 
-    def _record(self, key: str, fn: Callable[[], None], repeat: int = 1) -> None:
-        """One sample of ``fn``: ``repeat`` runs back to back (sustained, as in a training
-        step, not a burst), seconds per run."""
+    def _record(self, key: str, fn: Callable[[], None], sustained: bool = False) -> None:
+        """One sample of ``fn``, seconds per run. ``sustained``: run it back to back for about
+        ``SAMPLE_S`` (as long as a small training step: on a shared CPU a short burst escapes
+        the preemptions that a longer run suffers); the count is fixed at the first sample."""
+        repeat = 1
+        if sustained:
+            if key not in self._repeats:  # every rank the same count: probes communicate
+                once = _timed_s(fn, self.device)
+                count = torch.tensor([max(1, round(SAMPLE_S / max(1e-6, once)))])
+                dist.all_reduce(count, op=dist.ReduceOp.MAX)
+                self._repeats[key] = int(count.item())
+            repeat = self._repeats[key]
 
         def runs() -> None:
             for _ in range(repeat):
@@ -156,19 +166,20 @@ class Calibrator:
         from tiny_fsdp.core import comm
 
         x, w, g = self._x, self._w, self._g
-        self._record("matmul", lambda: (x @ w, g @ w.T, x.T @ g), SUSTAIN)
+        self._record("matmul", lambda: (x @ w, g @ w.T, x.T @ g), True)
         elementwise = lambda: F.gelu(self._norm(self._act)).sum().backward()  # noqa: E731
-        self._record("elementwise", elementwise, SUSTAIN)
-        self._record("adamw", self._adamw.step)
+        self._record("elementwise", elementwise, True)
+        self._record("adamw", self._adamw.step, True)
         for name in self._probes:
-            self._record(f"probe {name}", lambda: self._probe_step(name), SUSTAIN)
+            self._record(f"probe {name}", lambda: self._probe_step(name), True)
         plain = self._samples["probe plain"][-1]
         for name in WRAPPED:  # paired with the plain probe of the same sample: less noise
             extra = self._samples[f"probe {name}"][-1] - plain
             self._samples.setdefault(f"extra {name}", []).append(extra)
         # Overlap: an asynchronous all-reduce issued before the matrix products, waited after.
         busy = torch.zeros(max(1, self.sizes[-1] // 4), device=self.device)
-        products = lambda: [(x @ w, g @ w.T, x.T @ g) for _ in range(SUSTAIN)]  # noqa: E731
+        repeat = self._repeats["matmul"]
+        products = lambda: [(x @ w, g @ w.T, x.T @ g) for _ in range(repeat)]  # noqa: E731
         self._record(
             "overlap", lambda: (comm.all_reduce(busy, async_op=True), products())[0].wait()
         )
@@ -213,7 +224,9 @@ class Calibrator:
             "layer_overhead_s": med["probe plain"] / layers,
             "activation_s_per_byte": med["elementwise"] / act_bytes,
             "wrapper_layer_s": wrapper,
-            "overlap": _overlap(SUSTAIN * med["matmul"], med["overlap comm"], med["overlap"]),
+            "overlap": _overlap(
+                self._repeats["matmul"] * med["matmul"], med["overlap comm"], med["overlap"]
+            ),
         }
         return compute, fits
 
