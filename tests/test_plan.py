@@ -17,6 +17,7 @@ changes hit them alike. The planner's prediction from that calibration is compar
 """
 
 import argparse
+import json
 import statistics
 import time
 
@@ -162,3 +163,47 @@ def test_planner_predicts_step_time_within_25_percent(table):
     misses = [(w, n, round(pt / mt - 1, 3)) for w, n, _, _, pt, mt in table
               if abs(pt / mt - 1) > TIME_TOLERANCE]  # fmt: skip
     assert not misses, "(ranks, strategy, error) out of tolerance:\n" + format_rows(table)
+
+
+def test_cli_json_has_every_strategy_for_every_example_preset():
+    """``--json`` keys; model states agree with the ZeRO formulas of ``tiny_fsdp.estimate``."""
+    from example.models import model_names
+    from tiny_fsdp.estimate import estimate_model
+    from tiny_fsdp.models.gpt2 import GPTConfigs
+    from tiny_fsdp.plan.__main__ import main
+
+    names = [n for n in model_names() if not n.startswith("hf:")] + ["gpt2_mini"]
+    for name in dict.fromkeys(names):
+        out = json.loads(main(["--model", name, "--world_size", "4", "--seq_len", "32",
+                               "--gpu_memory", "16GiB", "--hsdp", "2", "--json"]))  # fmt: skip
+        assert list(out) == list(STRATEGIES) + ["hsdp"], name
+        assert all(
+            set(v) == {"peak_bytes", "step_ms", "tokens_per_s", "fits"} for v in out.values()
+        )
+        with torch.device("meta"):
+            model = GPT2Model(GPTConfigs.get(name))
+        states = estimate_model(model, 4)
+        costs = gpt2_costs(GPTConfigs.get(name))
+        act = costs.activation_bytes(8 * 32, 4)  # default --batch_size 8
+        from tiny_fsdp.plan import load_calibration
+
+        plans = plan(costs, load_calibration("h100_sxm"), 4, 8, 32, model_states=states)
+        for strategy in STRATEGIES:
+            exact = max(r.model_states for r in states[strategy]) + act
+            assert plans[strategy].peak_bytes == exact + plans[strategy].transient_bytes
+            assert out[strategy]["peak_bytes"] == plans[strategy].peak_bytes
+
+
+def test_plan_model_reads_any_module():
+    """A model that is not GPT-2 (tests/zoo.py): its tensors, layers and activations are read
+    from the module; sharded strategies hold less than replicated ones."""
+    from tests.zoo import ZooLM
+    from tiny_fsdp.plan import load_calibration, plan_model
+
+    model = ZooLM()
+    plans = plan_model(model, load_calibration("a100_sxm"), 4, 2, 16,
+                       example_input=torch.zeros(1, 16, dtype=torch.long))  # fmt: skip
+    assert next(model.parameters()).device.type == "cpu"  # the caller's model is untouched
+    assert plans["fsdp"].model_state_bytes < plans["zero2"].model_state_bytes
+    assert plans["zero2"].model_state_bytes < plans["ddp"].model_state_bytes
+    assert plans["ddp"].activation_bytes > 0

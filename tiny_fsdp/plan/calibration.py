@@ -16,6 +16,8 @@ a datasheet, a paper). Fields:
 - ``collectives[kind][world_size] = {"alpha_s", "beta_s_per_byte"}``: the time of one collective
   of ``P`` payload bytes ([Note: communication ledger]) is ``alpha + beta * P`` (Hockney's
   alpha-beta model), fitted to measurements at a few sizes.
+- ``link.comm_channels``: collectives of one process group that run at once (gloo: its 2
+  worker threads by default; NCCL: 1, one stream).
 - ``link``: for world sizes not measured, a ring over links of ``latency_s`` and
   ``bandwidth_bytes_per_s`` (the NIC's ``inter_node_bandwidth_bytes_per_s`` once a ring spans
   more than ``ranks_per_node`` ranks: the slowest link sets a ring's pace): a collective
@@ -51,6 +53,7 @@ class Calibration:
     ranks_per_node: Optional[int] = None
     wrapper_layer_s: Dict[str, float] = field(default_factory=dict)
     overlap: float = 1.0
+    comm_channels: int = 1
     collectives: Dict[str, Dict[int, Dict[str, float]]] = field(default_factory=dict)
     sources: Dict[str, str] = field(default_factory=dict)
 
@@ -75,6 +78,7 @@ class Calibration:
             bandwidth_bytes_per_s=float(link["bandwidth_bytes_per_s"]),
             inter_node_bandwidth_bytes_per_s=link.get("inter_node_bandwidth_bytes_per_s"),
             ranks_per_node=link.get("ranks_per_node"),
+            comm_channels=int(link.get("comm_channels", 2 if data.get("backend") == "gloo" else 1)),
             wrapper_layer_s={k: float(v) for k, v in compute.get("wrapper_layer_s", {}).items()},
             overlap=float(compute.get("overlap", 1.0)),
             collectives=collectives,
@@ -98,6 +102,7 @@ class Calibration:
                 "bandwidth_bytes_per_s": self.bandwidth_bytes_per_s,
                 "inter_node_bandwidth_bytes_per_s": self.inter_node_bandwidth_bytes_per_s,
                 "ranks_per_node": self.ranks_per_node,
+                "comm_channels": self.comm_channels,
             },
             "collectives": {
                 kind: {str(n): fit for n, fit in sorted(per_world.items())}

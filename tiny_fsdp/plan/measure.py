@@ -336,6 +336,7 @@ def calibration_from(
         layer_overhead_s=compute["layer_overhead_s"],
         activation_s_per_byte=compute["activation_s_per_byte"],
         wrapper_layer_s=dict(compute.get("wrapper_layer_s", {})),
+        comm_channels=2 if backend == "gloo" else 1,  # gloo's default worker threads
         overlap=compute.get("overlap", 1.0),
         latency_s=latency,
         bandwidth_bytes_per_s=bandwidth,

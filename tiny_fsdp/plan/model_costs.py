@@ -32,7 +32,8 @@ tensors of one forward on the ``meta`` device (no memory, no compute); attention
 ``meta`` may keep more than the fused ones (their scores).
 """
 
-from dataclasses import dataclass, field
+import copy
+from dataclasses import dataclass
 from typing import Dict, List, Optional
 
 import torch
@@ -71,7 +72,6 @@ class ModelCosts:
     act_per_token: tuple = (0, 0)
     ckpt_per_token: Optional[tuple] = None
     block_per_token: tuple = (0, 0)
-    notes: Dict[str, str] = field(default_factory=dict)
 
     @property
     def num_params(self) -> int:
@@ -171,7 +171,9 @@ def module_costs(
 
 def _meta_saved_bytes(model: nn.Module, example_input: torch.Tensor) -> int:
     """Bytes of the distinct tensors (not parameters) autograd saves in one forward on meta."""
-    meta = model.to("meta") if next(model.parameters()).device.type != "meta" else model
+    meta = model
+    if next(model.parameters()).device.type != "meta":
+        meta = copy.deepcopy(model).to("meta")  # leave the caller's model as it is
     params = {id(p) for p in meta.parameters()}
     seen: Dict[int, int] = {}
 

@@ -116,7 +116,7 @@ def _bucket_members(s: StepSetup) -> List[List[int]]:
 
 def _bucketed(s: StepSetup, zero_stage: int) -> StepPlan:
     """DDP (``zero_stage`` 0) and ZeRO-1/2: bucketed reductions overlapping backward."""
-    cal, n, tl = s.calibration, s.world_size, Timeline()
+    cal, n, tl = s.calibration, s.world_size, Timeline(comm_channels=s.calibration.comm_channels)
     fwd = _layer_seconds(s, ("ddp", "zero1", "zero2")[zero_stage])
     gloo = cal.backend == "gloo"
     members = _bucket_members(s)
@@ -165,7 +165,12 @@ def _bucketed(s: StepSetup, zero_stage: int) -> StepPlan:
 
 
 def _zero3(s: StepSetup) -> StepPlan:
-    cal, n, tl, costs = s.calibration, s.world_size, Timeline(), s.costs
+    cal, n, tl, costs = (
+        s.calibration,
+        s.world_size,
+        Timeline(comm_channels=s.calibration.comm_channels),
+        s.costs,
+    )
     fwd = _layer_seconds(s, "zero3")
     if n == 1:
         _compute(tl, fwd, s)
@@ -212,7 +217,7 @@ def _zero3(s: StepSetup) -> StepPlan:
 
 
 def _fsdp(s: StepSetup) -> StepPlan:
-    cal, tl, costs = s.calibration, Timeline(), s.costs
+    cal, tl, costs = s.calibration, Timeline(comm_channels=s.calibration.comm_channels), s.costs
     shard_world = s.world_size // s.replicas
     n = shard_world
     fwd = _layer_seconds(s, "fsdp")
