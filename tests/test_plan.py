@@ -13,6 +13,9 @@ changes hit them alike. The planner's prediction from that calibration is compar
   meters report them (FSDP ``memory_stats()``: gathered units and reductions in flight; ZeRO-3
   ``fetch_stats`` and ``reduce_stats``; ZeRO-2's staging buffers: its two largest layout
   buckets, which is how ``StagedGradShard`` allocates them); the largest rank. Within 10 %.
+  The reduction meters count a reduced gradient until the end of backward even when it becomes
+  ``.grad`` ([Note: asynchronous reduction]), which the ledger counts too; the planner predicts
+  the inputs in flight only, so ZeRO-3 and FSDP measure up to one gradient shard more.
 - step time: the median over the timed steps of the slowest rank's step. Within 25 %.
 """
 
