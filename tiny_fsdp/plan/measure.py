@@ -18,11 +18,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from tiny_fsdp.plan.calibration import KINDS, Calibration
+from tiny_fsdp.plan.probe import WRAPPED, Probe, wrap_probe
 
 DEFAULT_SIZES = (2**12, 2**16, 2**20)  # payload bytes of the collectives timed
 DEFAULT_SHAPE = (2048, 1024, 4096)  # (rows, in, out) of the timed matrix product
 SAMPLE_S = 0.02  # a compute sample runs its benchmark back to back for about this long
-WRAPPED = ("ddp", "zero1", "zero2", "zero3", "fsdp")
 
 
 def _sync(device: torch.device) -> None:
@@ -38,51 +38,6 @@ def _timed_s(fn: Callable[[], None], device: torch.device) -> float:
     fn()
     _sync(device)
     return time.perf_counter() - start
-
-
-class _Probe(nn.Module):
-    """``layers`` tiny linear blocks in a ``ModuleList``: FSDP's auto units are its blocks."""
-
-    def __init__(self, layers: int = 8, width: int = 8) -> None:
-        super().__init__()
-        self.blocks = nn.ModuleList(nn.Linear(width, width) for _ in range(layers))
-
-    @torch.no_grad()
-    def init_parameter(self, name: str, tensor: torch.Tensor) -> None:
-        tensor.fill_(0.01)  # [Note: per-parameter init]: any pure function of the name
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        for block in self.blocks:
-            x = block(x)
-        return x
-
-
-def _wrap(strategy: str, device: torch.device):
-    """``(model, optimizer)`` of ``_Probe`` under ``strategy`` with the default arguments."""
-    from tiny_fsdp.core.ddp import DDP, DDPAdamW
-    from tiny_fsdp.core.fsdp import FSDP, FSDPAdamW
-    from tiny_fsdp.core.optim import AdamW
-    from tiny_fsdp.core.zero import Zero1, Zero1AdamW, Zero2, Zero2AdamW
-    from tiny_fsdp.core.zero3 import Zero3, Zero3AdamW, zero3_partition_tensors
-
-    torch.manual_seed(0)
-    if strategy in ("zero3", "fsdp"):
-        with torch.device("meta"):
-            meta = _Probe()
-        if strategy == "fsdp":
-            model = FSDP(meta, device=device)
-            return model, FSDPAdamW(model.parameters())
-        ranks = [device.type] * dist.get_world_size()
-        table, _ = zero3_partition_tensors(dict(meta.named_parameters()), ranks)
-        model = Zero3(meta, table)
-        return model, Zero3AdamW(model.module.named_parameters(), param_part_table=table)
-    plain = _Probe().to(device)
-    if strategy == "plain":
-        return plain, AdamW(plain.parameters())
-    wrapper, optim = {"ddp": (DDP, DDPAdamW), "zero1": (Zero1, Zero1AdamW),
-                      "zero2": (Zero2, Zero2AdamW)}[strategy]  # fmt: skip
-    model = wrapper(plain)
-    return model, optim(model.parameters())
 
 
 class Calibrator:
@@ -115,7 +70,7 @@ class Calibrator:
         self._param = nn.Parameter(torch.zeros(2**18, device=device))
         self._param.grad = torch.ones_like(self._param)
         self._adamw = AdamW([self._param], lr=1e-3)
-        self._probes = {name: _wrap(name, device) for name in ("plain",) + WRAPPED}
+        self._probes = {name: wrap_probe(name, device) for name in ("plain",) + WRAPPED}
         self._probe_in = torch.randn(4, 8, device=device)
         self._samples: Dict[str, List[float]] = {}
         self._repeats: Dict[str, int] = {}  # runs per sustained sample (same on every rank)
@@ -140,7 +95,7 @@ class Calibrator:
 
     def _record(self, key: str, fn: Callable[[], None], sustained: bool = False) -> None:
         """One sample of ``fn``, seconds per run. ``sustained``: run it back to back for about
-        ``SAMPLE_S`` (as long as a small training step: on a shared CPU a short burst escapes
+        ``SAMPLE_S`` (about a small training step: on a shared CPU a short burst escapes
         the preemptions that a longer run suffers); the count is fixed at the first sample."""
         repeat = 1
         if sustained:
@@ -212,7 +167,7 @@ class Calibrator:
         for kind in KINDS:
             points = [(float(k.split()[1]), v) for k, v in med.items() if k.split()[0] == kind]
             fits[kind] = _fit(points)
-        layers = len(_Probe().blocks)
+        layers = len(Probe().blocks)
         wrapper = {}
         for name in WRAPPED:
             alphas = sum(c * fits[k]["alpha_s"] for k, c in self._calls[name].items() if k in fits)
