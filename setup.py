@@ -8,6 +8,7 @@ setup(
     # Only the library is installed. The examples run from the repository (each script puts the
     # repository root on sys.path), so no top-level ``example`` package lands in site-packages.
     packages=find_packages(include=["tiny_fsdp", "tiny_fsdp.*"]),
+    package_data={"tiny_fsdp.plan": ["presets/*.json"]},  # the planner's hardware presets
     python_requires=">=3.9",
     # Everything the library and the examples import at run time (the examples' data reader
     # uses numpy). Tests, lint and plots are in the dev extras.

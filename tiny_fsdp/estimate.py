@@ -27,6 +27,8 @@ again in backward and reduce the gradients (2 p Psi + g Psi). A ring sends (N-1)
 Not predicted: activations, temporaries (gathered parameters, buckets being reduced),
 allocator overheads, padding and the few bytes of per-tensor optimizer counters. The memory
 ledger (``tiny_fsdp.core.memory``) measures the real tensors; tests hold the two within 5%.
+``python -m tiny_fsdp.plan`` adds activations, transient buffers and step time to these
+formulas ([Note: what the planner predicts]).
 """
 
 import argparse

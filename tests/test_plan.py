@@ -1,0 +1,235 @@
+"""The planner against measurement: every strategy on 1-4 CPU ranks, calibrated in the same run.
+
+[Note: planner validation]
+One distributed call per world size calibrates the machine *as used* (every rank computing and
+communicating at once: on a 2-core machine 3 and 4 ranks share cores, and the calibration says
+so) and then trains every strategy for a few steps, interleaved step by step so that load
+changes hit them alike. The planner's prediction from that calibration is compared with:
+
+- peak memory per rank, defined as the planner defines it ([Note: what the planner predicts]):
+  the memory ledger's model states after the optimizer step (params + grads + optimizer state
+  + buffers), plus the bytes of the distinct tensors autograd saves in the forward (saved-tensor
+  hooks; parameters excluded), plus the strategy's transient buffers at their peak as its own
+  meters report them (FSDP ``memory_stats()``: gathered units and reductions in flight; ZeRO-3
+  ``fetch_stats`` and ``reduce_stats``; ZeRO-2's staging buffers: its two largest layout
+  buckets, which is how ``StagedGradShard`` allocates them); the largest rank. Within 10 %.
+  The reduction meters count a reduced gradient until the end of backward even when it becomes
+  ``.grad`` ([Note: asynchronous reduction]), which the ledger counts too; the planner predicts
+  the inputs in flight only, so ZeRO-3 and FSDP measure up to one gradient shard more.
+- step time: the median over the timed steps of the slowest rank's step. Within 25 %. A timing
+  check depends on the machine's load, so it is marked ``timing`` and left out of the default
+  run (the project keeps speed in benchmarks): ``pytest -m timing tests/test_plan.py`` runs it.
+"""
+
+import argparse
+import json
+import statistics
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from tests.harness import run_distributed
+from tiny_fsdp.models.gpt2 import GPT2Model, GPTConfig
+from tiny_fsdp.plan import STRATEGIES, gpt2_costs, load_calibration, plan
+from tiny_fsdp.plan.measure import Calibrator, calibration_from
+
+CONFIG = GPTConfig(block_size=64, vocab_size=256, n_layer=2, n_head=4, n_embd=64)
+BATCH, SEQ, STEPS = 8, 64, 7
+MEMORY_TOLERANCE = 0.10  # the issue's bound; memory is counted, not sampled
+TIME_TOLERANCE = 0.25  # the issue's bound; medians absorb the shared machine's noise
+
+
+def _saved_bytes(model, x, y, params) -> int:
+    seen = {}
+
+    def pack(t):
+        storage = t.untyped_storage()
+        if storage.data_ptr() not in params and storage.nbytes():
+            seen[storage.data_ptr()] = storage.nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        loss = F.cross_entropy(model(x).reshape(-1, CONFIG.vocab_size), y.reshape(-1))
+    loss.backward()
+    return sum(seen.values())
+
+
+def _transient_bytes(name, model) -> int:
+    if name == "fsdp":
+        stats = model.memory_stats()
+        return stats["peak_gathered_bytes"] + stats["peak_reduce_bytes"]
+    if name == "zero3":
+        return model.fetch_stats.peak_bytes + model.reduce_stats.peak_bytes
+    if name == "zero2":
+        sizes = sorted(b.numel for b in model.layout.buckets)
+        return sum(sizes[-2:]) * next(model.parameters()).element_size()
+    return 0
+
+
+def _build_all(rank, world):
+    from example.strategies import STRATEGIES as BUILD
+    from tiny_fsdp.core.utils.dist import DistEnv
+
+    env = DistEnv(rank, rank, world, torch.device("cpu"))
+    args = argparse.Namespace(
+        optimizer="adamw", lr=1e-3, weight_decay=0.1, momentum=0.9, precision="fp32",
+        evenness_priority=0.0,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    built = {name: BUILD[name](lambda: GPT2Model(CONFIG), args, env) for name in STRATEGIES}
+    gen = torch.Generator().manual_seed(rank)
+    x = torch.randint(0, CONFIG.vocab_size, (BATCH, SEQ), generator=gen)
+    y = torch.randint(0, CONFIG.vocab_size, (BATCH, SEQ), generator=gen)
+    return built, x, y
+
+
+def _measure_memory(rank, world):
+    """Per strategy: (model states, saved activations, transient peak) of this rank."""
+    from tiny_fsdp.core.memory import memory_ledger
+
+    built, x, y = _build_all(rank, world)
+    memory = {}
+    for name, (model, optimizer) in built.items():  # a warm step, then a counted one
+        F.cross_entropy(model(x).reshape(-1, CONFIG.vocab_size), y.reshape(-1)).backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        if name == "fsdp":
+            model.reset_peak_memory_stats()
+        if name == "zero3":
+            for stats in (model.fetch_stats, model.reduce_stats):
+                stats.peak_bytes = stats.live_bytes
+        params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+        saved = _saved_bytes(model, x, y, params)
+        optimizer.step()
+        states = memory_ledger(model, optimizer).total
+        optimizer.zero_grad(set_to_none=True)
+        memory[name] = (states, saved, _transient_bytes(name, model))
+    return memory
+
+
+def _calibrate_and_time(rank, world):
+    """The calibration of this machine as used, and each strategy's median step (ms)."""
+    shape = (BATCH * SEQ, CONFIG.n_embd, 4 * CONFIG.n_embd)  # the model's own matrix products
+    calibrator = Calibrator(torch.device("cpu"), shape, sizes=(2**10, 2**19))
+    built, x, y = _build_all(rank, world)
+    times = {name: [] for name in built}
+    calibrator.sample()  # warm-up
+    calibrator.reset()
+    for step in range(STEPS):  # calibrate between the steps: the same load for both
+        calibrator.sample()
+        order = list(built.items()) if step % 2 else list(built.items())[::-1]
+        for name, (model, optimizer) in order:
+            dist.barrier()
+            start = time.perf_counter()
+            F.cross_entropy(model(x).reshape(-1, CONFIG.vocab_size), y.reshape(-1)).backward()
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            elapsed = torch.tensor([time.perf_counter() - start], dtype=torch.float64)
+            dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
+            times[name].append(elapsed.item())
+    step_ms = {name: 1e3 * statistics.median(t) for name, t in times.items()}
+    return calibrator.result(), step_ms
+
+
+def memory_rows(world_sizes=(1, 2, 3, 4)):
+    """``[(world, strategy, predicted peak bytes, measured peak bytes)]``; the prediction does
+    not depend on the calibration's rates, so a preset serves."""
+    rows = []
+    costs, calibration = gpt2_costs(CONFIG, "test model"), load_calibration("a100_sxm")
+    for world in world_sizes:
+        results = run_distributed(_measure_memory, world, timeout=240)
+        predicted = plan(costs, calibration, world, BATCH, SEQ)
+        for name in STRATEGIES:
+            peak = max(sum(r[name]) for r in results)
+            rows.append((world, name, predicted[name].peak_bytes, peak))
+    return rows
+
+
+def time_rows(world_sizes=(1, 2, 3, 4)):
+    """``[(world, strategy, predicted ms, measured ms)]`` from a calibration of the same run."""
+    rows = []
+    costs = gpt2_costs(CONFIG, "test model")
+    for world in world_sizes:
+        results = run_distributed(_calibrate_and_time, world, timeout=240)
+        calibration = calibration_from({world: results[0][0]}, "gloo")
+        predicted = plan(costs, calibration, world, BATCH, SEQ)
+        for name in STRATEGIES:
+            rows.append((world, name, predicted[name].step_ms, results[0][1][name]))
+    return rows
+
+
+def format_rows(rows, unit: str) -> str:
+    """A markdown table of ``(world, strategy, predicted, measured)`` rows."""
+    lines = [
+        f"| ranks | strategy | predicted {unit} | measured {unit} | error |",
+        "|---:|---|---:|---:|---:|",
+    ]
+    scale = 2**-20 if unit == "MiB" else 1.0
+    for world, name, predicted, measured in rows:
+        lines.append(
+            f"| {world} | {name} | {predicted * scale:.3f} | {measured * scale:.3f} | "
+            f"{predicted / measured - 1:+.1%} |"
+        )
+    return "\n".join(lines)
+
+
+def test_planner_predicts_peak_memory_per_rank_within_10_percent():
+    rows = memory_rows()
+    print("\n" + format_rows(rows, "MiB"))
+    misses = [r for r in rows if abs(r[2] / r[3] - 1) > MEMORY_TOLERANCE]
+    assert not misses, "out of tolerance:\n" + format_rows(rows, "MiB")
+
+
+@pytest.mark.timing
+def test_planner_predicts_step_time_within_25_percent():
+    """A timing check, so not in the default run (``pytest -m timing tests/test_plan.py``):
+    its outcome depends on the machine's load ([Note: planner validation])."""
+    rows = time_rows()
+    print("\n" + format_rows(rows, "ms"))
+    misses = [r for r in rows if abs(r[2] / r[3] - 1) > TIME_TOLERANCE]
+    assert not misses, "out of tolerance:\n" + format_rows(rows, "ms")
+
+
+def test_cli_json_has_every_strategy_for_every_example_preset():
+    """``--json`` keys; model states agree with the ZeRO formulas of ``tiny_fsdp.estimate``."""
+    from example.models import model_names
+    from tiny_fsdp.estimate import estimate_model
+    from tiny_fsdp.models.gpt2 import GPTConfigs
+    from tiny_fsdp.plan.__main__ import main
+
+    names = [n for n in model_names() if not n.startswith("hf:")] + ["gpt2_mini"]
+    for name in dict.fromkeys(names):
+        out = json.loads(main(["--model", name, "--world_size", "4", "--seq_len", "32",
+                               "--gpu_memory", "16GiB", "--hsdp", "2", "--json"]))  # fmt: skip
+        assert list(out) == list(STRATEGIES) + ["hsdp"], name
+        assert all(
+            set(v) == {"peak_bytes", "step_ms", "tokens_per_s", "fits"} for v in out.values()
+        )
+        with torch.device("meta"):
+            model = GPT2Model(GPTConfigs.get(name))
+        states = estimate_model(model, 4)
+        costs = gpt2_costs(GPTConfigs.get(name))
+        act = costs.activation_bytes(8 * 32, 4)  # default --batch_size 8
+        plans = plan(costs, load_calibration("h100_sxm"), 4, 8, 32, model_states=states)
+        for strategy in STRATEGIES:
+            exact = max(r.model_states for r in states[strategy]) + act
+            assert plans[strategy].peak_bytes == exact + plans[strategy].transient_bytes
+            assert out[strategy]["peak_bytes"] == plans[strategy].peak_bytes
+
+
+def test_plan_model_reads_any_module():
+    """A model that is not GPT-2 (tests/zoo.py): its tensors, layers and activations are read
+    from the module; sharded strategies hold less than replicated ones."""
+    from tests.zoo import ZooLM
+    from tiny_fsdp.plan import plan_model
+
+    model = ZooLM()
+    plans = plan_model(model, load_calibration("a100_sxm"), 4, 2, 16,
+                       example_input=torch.zeros(1, 16, dtype=torch.long))  # fmt: skip
+    assert next(model.parameters()).device.type == "cpu"  # the caller's model is untouched
+    assert plans["fsdp"].model_state_bytes < plans["zero2"].model_state_bytes
+    assert plans["zero2"].model_state_bytes < plans["ddp"].model_state_bytes
+    assert plans["ddp"].activation_bytes > 0

@@ -1,0 +1,136 @@
+"""The machine as the planner sees it: compute rates and collective costs, as editable JSON data.
+
+[Note: calibration]
+A calibration is a JSON file; every number carries its ``source`` (a measurement on this machine,
+a datasheet, a paper). Fields:
+
+- ``backend``: ``"nccl"`` or ``"gloo"``: ZeRO-1/2 on gloo replace their reduce-scatter by an
+  all-reduce and their all-gather by one broadcast per rank ([Note: ZeRO collectives on gloo]).
+- ``compute.flops_per_s``: the matrix-product rate of one rank *while every rank computes* (on a
+  shared CPU that is the honest rate), at the shapes given in ``compute.shape``.
+- ``compute.optimizer_s_per_param``: one optimizer step (tiny_fsdp AdamW), seconds per element.
+- ``compute.activation_s_per_byte``: elementwise work (norms, GELU, softmax: memory-bound)
+  forward and backward, seconds per byte of activations kept for backward.
+- ``compute.layer_overhead_s``: fixed cost of running one layer forward and backward (kernel
+  launches, Python, autograd), which FLOPs do not see; it dominates small models.
+- ``collectives[kind][world_size] = {"alpha_s", "beta_s_per_byte"}``: the time of one collective
+  of ``P`` payload bytes ([Note: communication ledger]) is ``alpha + beta * P`` (Hockney's
+  alpha-beta model), fitted to measurements at a few sizes.
+- ``link.comm_channels``: collectives of one process group that run at once (gloo: its 2
+  worker threads by default; NCCL: 1, one stream).
+- ``link``: for world sizes not measured, a ring over links of ``latency_s`` and
+  ``bandwidth_bytes_per_s`` (the NIC's ``inter_node_bandwidth_bytes_per_s`` once a ring spans
+  more than ``ranks_per_node`` ranks: the slowest link sets a ring's pace): a collective
+  takes ``steps * latency + volume / bandwidth`` with the ring's steps and volume ([Note:
+  collective costs]).
+
+Presets (``presets/*.json``) describe common hardware from datasheets; ``--calibrate`` writes one
+measured here. Edit either: the planner reads nothing else about the machine.
+"""
+
+import json
+import os
+from dataclasses import dataclass, field
+from typing import Any, Dict, List, Optional
+
+PRESET_DIR = os.path.join(os.path.dirname(__file__), "presets")
+KINDS = ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "reduce")
+
+
+@dataclass
+class Calibration:
+    """A parsed calibration file ([Note: calibration]); ``sources`` says where numbers come from."""
+
+    name: str
+    backend: str
+    flops_per_s: float
+    optimizer_s_per_param: float
+    layer_overhead_s: float
+    activation_s_per_byte: float
+    latency_s: float
+    bandwidth_bytes_per_s: float
+    inter_node_bandwidth_bytes_per_s: Optional[float] = None
+    ranks_per_node: Optional[int] = None
+    wrapper_layer_s: Dict[str, float] = field(default_factory=dict)
+    overlap: float = 1.0
+    comm_channels: int = 1
+    collectives: Dict[str, Dict[int, Dict[str, float]]] = field(default_factory=dict)
+    sources: Dict[str, str] = field(default_factory=dict)
+
+    @classmethod
+    def from_dict(cls, data: Dict[str, Any]) -> "Calibration":
+        compute, link = data["compute"], data["link"]
+        collectives = {
+            kind: {int(n): dict(fit) for n, fit in per_world.items()}
+            for kind, per_world in data.get("collectives", {}).items()
+        }
+        unknown = sorted(set(collectives) - set(KINDS))
+        if unknown:
+            raise ValueError(f"unknown collective kinds {unknown} in calibration; use {KINDS}")
+        return cls(
+            name=data.get("name", "unnamed"),
+            backend=data.get("backend", "nccl"),
+            flops_per_s=float(compute["flops_per_s"]),
+            optimizer_s_per_param=float(compute.get("optimizer_s_per_param", 0.0)),
+            layer_overhead_s=float(compute.get("layer_overhead_s", 0.0)),
+            activation_s_per_byte=float(compute.get("activation_s_per_byte", 0.0)),
+            latency_s=float(link["latency_s"]),
+            bandwidth_bytes_per_s=float(link["bandwidth_bytes_per_s"]),
+            inter_node_bandwidth_bytes_per_s=link.get("inter_node_bandwidth_bytes_per_s"),
+            ranks_per_node=link.get("ranks_per_node"),
+            comm_channels=int(link.get("comm_channels", 2 if data.get("backend") == "gloo" else 1)),
+            wrapper_layer_s={k: float(v) for k, v in compute.get("wrapper_layer_s", {}).items()},
+            overlap=float(compute.get("overlap", 1.0)),
+            collectives=collectives,
+            sources=dict(data.get("sources", {})),
+        )
+
+    def to_dict(self) -> Dict[str, Any]:
+        return {
+            "name": self.name,
+            "backend": self.backend,
+            "compute": {
+                "flops_per_s": self.flops_per_s,
+                "optimizer_s_per_param": self.optimizer_s_per_param,
+                "layer_overhead_s": self.layer_overhead_s,
+                "activation_s_per_byte": self.activation_s_per_byte,
+                "wrapper_layer_s": self.wrapper_layer_s,
+                "overlap": self.overlap,
+            },
+            "link": {
+                "latency_s": self.latency_s,
+                "bandwidth_bytes_per_s": self.bandwidth_bytes_per_s,
+                "inter_node_bandwidth_bytes_per_s": self.inter_node_bandwidth_bytes_per_s,
+                "ranks_per_node": self.ranks_per_node,
+                "comm_channels": self.comm_channels,
+            },
+            "collectives": {
+                kind: {str(n): fit for n, fit in sorted(per_world.items())}
+                for kind, per_world in self.collectives.items()
+            },
+            "sources": self.sources,
+        }
+
+
+def preset_names() -> List[str]:
+    return sorted(f[: -len(".json")] for f in os.listdir(PRESET_DIR) if f.endswith(".json"))
+
+
+def load_calibration(name_or_path: str) -> Calibration:
+    """A preset's name (``preset_names()``) or the path of a calibration JSON file."""
+    path = name_or_path
+    if not os.path.exists(path):
+        path = os.path.join(PRESET_DIR, f"{name_or_path}.json")
+    if not os.path.exists(path):
+        raise FileNotFoundError(
+            f"no calibration file {name_or_path!r} and no preset of that name; presets: "
+            f"{preset_names()}, or write one with python -m tiny_fsdp.plan --calibrate FILE"
+        )
+    with open(path) as f:
+        return Calibration.from_dict(json.load(f))
+
+
+def save_calibration(calibration: Calibration, path: str) -> None:
+    with open(path, "w") as f:
+        json.dump(calibration.to_dict(), f, indent=2)
+        f.write("\n")

@@ -1,0 +1,304 @@
+"""``--calibrate``: measure this machine's compute rates and collective costs ([Note: calibration]).
+
+``calibrate_in_group`` runs on every rank of a live process group (all ranks compute at once,
+which is how the strategies use the machine); ``calibrate`` spawns the groups itself (gloo on
+CPU, NCCL on CUDA) for each world size and merges the results into one ``Calibration``.
+Timings are medians of several repetitions, each started together after a barrier.
+"""
+
+import os
+import socket
+import statistics
+import time
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from tiny_fsdp.plan.calibration import KINDS, Calibration
+from tiny_fsdp.plan.probe import WRAPPED, Probe, wrap_probe
+
+DEFAULT_SIZES = (2**12, 2**16, 2**20)  # payload bytes of the collectives timed
+DEFAULT_SHAPE = (2048, 1024, 4096)  # (rows, in, out) of the timed matrix product
+SAMPLE_S = 0.02  # a compute sample runs its benchmark back to back for about this long
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _timed_s(fn: Callable[[], None], device: torch.device) -> float:
+    """Seconds of one ``fn`` started on every rank together (after a barrier)."""
+    _sync(device)
+    dist.barrier()
+    start = time.perf_counter()
+    fn()
+    _sync(device)
+    return time.perf_counter() - start
+
+
+class Calibrator:
+    """Micro-benchmarks of this machine on the default group ([Note: calibration]).
+
+    ``sample()`` runs each once on every rank at the same time; ``result()`` is the medians
+    (the slowest rank's) and the alpha-beta fits. Calling ``sample()`` between the steps of a
+    workload calibrates the machine under the same load as the workload.
+
+    Benchmarks: matrix products of ``shape = (rows, in, out)`` (forward and both backward
+    products); a LayerNorm + GELU forward and backward (elementwise work per activation byte);
+    one AdamW step of 2^18 elements; a forward and backward of 8 tiny linear layers (the fixed
+    cost of a layer); the same probe under each strategy with its default arguments (the
+    wrapper's cost per layer beyond its collectives, whose ``alpha`` the ledger's counts
+    subtract); every collective kind at each of ``sizes`` payload bytes; an asynchronous
+    all-reduce issued before the matrix products and waited for after them (``overlap``).
+    """
+
+    def __init__(self, device: torch.device, shape=DEFAULT_SHAPE, sizes=DEFAULT_SIZES) -> None:
+        from tiny_fsdp.core.optim import AdamW
+
+        self.device, self.shape, self.sizes = device, tuple(shape), tuple(sizes)
+        rows, d_in, d_out = shape
+        dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+        self._x = torch.randn(rows, d_in, device=device, dtype=dtype)
+        self._w = torch.randn(d_in, d_out, device=device, dtype=dtype)
+        self._g = torch.randn(rows, d_out, device=device, dtype=dtype)
+        self._act = torch.randn(rows, d_out, device=device, dtype=dtype, requires_grad=True)
+        self._norm = nn.LayerNorm(d_out).to(device=device, dtype=dtype)
+        self._param = nn.Parameter(torch.zeros(2**18, device=device))
+        self._param.grad = torch.ones_like(self._param)
+        self._adamw = AdamW([self._param], lr=1e-3)
+        self._probes = {name: wrap_probe(name, device) for name in ("plain",) + WRAPPED}
+        self._probe_in = torch.randn(4, 8, device=device)
+        self._samples: Dict[str, List[float]] = {}
+        self._repeats: Dict[str, int] = {}  # runs per sustained sample (same on every rank)
+        # Warm-up, and each wrapper's collectives per probe step, by kind.
+        self._calls = {name: self._count_calls(name) for name in self._probes}
+
+    def _count_calls(self, name: str) -> Dict[str, int]:
+        from tiny_fsdp.core.comm import LEDGER
+
+        self._probe_step(name)
+        LEDGER.reset()
+        self._probe_step(name)
+        calls = dict(LEDGER.calls)
+        LEDGER.reset()
+        return calls
+
+    def _probe_step(self, name: str) -> None:
+        model, optimizer = self._probes[name]
+        model(self._probe_in).sum().backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    def _record(self, key: str, fn: Callable[[], None], sustained: bool = False) -> None:
+        """One sample of ``fn``, seconds per run. ``sustained``: run it back to back for about
+        ``SAMPLE_S`` (about a small training step: on a shared CPU a short burst escapes
+        the preemptions that a longer run suffers); the count is fixed at the first sample."""
+        repeat = 1
+        if sustained:
+            if key not in self._repeats:  # every rank the same count: probes communicate
+                once = _timed_s(fn, self.device)
+                count = torch.tensor([max(1, round(SAMPLE_S / max(1e-6, once)))])
+                dist.all_reduce(count, op=dist.ReduceOp.MAX)
+                self._repeats[key] = int(count.item())
+            repeat = self._repeats[key]
+
+        def runs() -> None:
+            for _ in range(repeat):
+                fn()
+
+        self._samples.setdefault(key, []).append(_timed_s(runs, self.device) / repeat)
+
+    def reset(self) -> None:
+        """Forget the samples taken so far (e.g. a warm-up)."""
+        self._samples.clear()
+
+    def sample(self) -> None:
+        """Run every benchmark once, on every rank at once."""
+        from tiny_fsdp.core import comm
+
+        x, w, g = self._x, self._w, self._g
+        self._record("matmul", lambda: (x @ w, g @ w.T, x.T @ g), True)
+        elementwise = lambda: F.gelu(self._norm(self._act)).sum().backward()  # noqa: E731
+        self._record("elementwise", elementwise, True)
+        self._record("adamw", self._adamw.step, True)
+        for name in self._probes:
+            self._record(f"probe {name}", lambda: self._probe_step(name), True)
+        plain = self._samples["probe plain"][-1]
+        for name in WRAPPED:  # paired with the plain probe of the same sample: less noise
+            extra = self._samples[f"probe {name}"][-1] - plain
+            self._samples.setdefault(f"extra {name}", []).append(extra)
+        # Overlap: an asynchronous all-reduce issued before the matrix products, waited after.
+        busy = torch.zeros(max(1, self.sizes[-1] // 4), device=self.device)
+        repeat = self._repeats["matmul"]
+        products = lambda: [(x @ w, g @ w.T, x.T @ g) for _ in range(repeat)]  # noqa: E731
+        self._record(
+            "overlap", lambda: (comm.all_reduce(busy, async_op=True), products())[0].wait()
+        )
+        self._record("overlap comm", lambda: comm.all_reduce(busy))
+        n = dist.get_world_size()
+        for size in self.sizes:
+            numel = max(n, size // 4 // n * n)
+            full = torch.zeros(numel, device=self.device)
+            part = torch.zeros(numel // n, device=self.device)
+            calls = {
+                "all_reduce": lambda: comm.all_reduce(full),
+                "all_gather": lambda: comm.all_gather(full, part),
+                "reduce_scatter": lambda: comm.reduce_scatter(part, full),
+                "broadcast": lambda: comm.broadcast(full, src=0),
+                "reduce": lambda: comm.reduce(full, dst=0),
+            }
+            for kind in KINDS:
+                self._record(f"{kind} {numel * 4}", calls[kind])
+
+    def result(self) -> Tuple[Dict[str, Any], Dict[str, Dict[str, float]]]:
+        """``(compute, collectives)``: the medians over samples, the same on every rank."""
+        keys = sorted(self._samples)
+        local = torch.tensor(
+            [statistics.median(self._samples[k]) for k in keys], dtype=torch.float64
+        )
+        dist.all_reduce(local, op=dist.ReduceOp.MAX)
+        med = dict(zip(keys, local.tolist()))
+        rows, d_in, d_out = self.shape
+        fits = {}
+        for kind in KINDS:
+            points = [(float(k.split()[1]), v) for k, v in med.items() if k.split()[0] == kind]
+            fits[kind] = _fit(points)
+        layers = len(Probe().blocks)
+        wrapper = {}
+        for name in WRAPPED:
+            alphas = sum(c * fits[k]["alpha_s"] for k, c in self._calls[name].items() if k in fits)
+            wrapper[name] = max(0.0, (med[f"extra {name}"] - alphas) / layers)
+        act_bytes = 2 * self._act.numel() * self._act.element_size()  # act and GELU's input
+        compute = {
+            "flops_per_s": 3 * 2 * rows * d_in * d_out / med["matmul"],
+            "optimizer_s_per_param": med["adamw"] / self._param.numel(),
+            "layer_overhead_s": med["probe plain"] / layers,
+            "activation_s_per_byte": med["elementwise"] / act_bytes,
+            "wrapper_layer_s": wrapper,
+            "overlap": _overlap(
+                self._repeats["matmul"] * med["matmul"], med["overlap comm"], med["overlap"]
+            ),
+        }
+        return compute, fits
+
+
+def _overlap(compute_s: float, comm_s: float, both_s: float) -> float:
+    """The share of the shorter of two tasks hidden when they run together: 1 if together they
+    take the longer one's time, 0 if the sum."""
+    hidden = compute_s + comm_s - both_s
+    return min(1.0, max(0.0, hidden / max(1e-12, min(compute_s, comm_s))))
+
+
+def _fit(points: Sequence[Tuple[float, float]]) -> Dict[str, float]:
+    """Least-squares ``t = alpha + beta * bytes`` with both >= 0."""
+    xs, ys = [p[0] for p in points], [p[1] for p in points]
+    mx, my = statistics.fmean(xs), statistics.fmean(ys)
+    var = sum((x - mx) ** 2 for x in xs)
+    beta = max(0.0, sum((x - mx) * (y - my) for x, y in points) / var) if var else 0.0
+    alpha = max(0.0, my - beta * mx)
+    return {"alpha_s": alpha, "beta_s_per_byte": beta}
+
+
+def calibrate_in_group(
+    device: torch.device,
+    shape: Sequence[int] = DEFAULT_SHAPE,
+    sizes: Sequence[int] = DEFAULT_SIZES,
+    reps: int = 5,
+) -> Tuple[Dict[str, float], Dict[str, Dict[str, float]]]:
+    """``(compute, collectives)`` of ``reps`` samples on the default group ([Note:
+    calibration]), identical on every rank."""
+    calibrator = Calibrator(device, shape, sizes)
+    calibrator.sample()  # warm-up
+    calibrator.reset()
+    for _ in range(reps):
+        calibrator.sample()
+    return calibrator.result()
+
+
+def _worker(rank: int, world: int, port: int, use_cuda: bool, shape, sizes, queue) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    device = torch.device("cuda", rank) if use_cuda else torch.device("cpu")
+    if use_cuda:
+        torch.cuda.set_device(device)
+    dist.init_process_group("nccl" if use_cuda else "gloo", rank=rank, world_size=world)
+    try:
+        result = calibrate_in_group(device, shape, sizes)
+        if rank == 0:
+            queue.put(result)
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def calibrate(
+    world_sizes: Sequence[int] = (1, 2),
+    shape: Sequence[int] = DEFAULT_SHAPE,
+    sizes: Sequence[int] = DEFAULT_SIZES,
+    name: Optional[str] = None,
+) -> Calibration:
+    """Measure this machine for each world size (processes of this host) ([Note: calibration])."""
+    import torch.multiprocessing as mp
+
+    use_cuda = torch.cuda.is_available()
+    if use_cuda:
+        world_sizes = [n for n in world_sizes if n <= torch.cuda.device_count()]
+    ctx = mp.get_context("spawn")
+    per_world = {}
+    for world in world_sizes:
+        queue = ctx.Queue()
+        args = (world, _free_port(), use_cuda, tuple(shape), tuple(sizes), queue)
+        mp.start_processes(_worker, args=args, nprocs=world, start_method="spawn")
+        per_world[world] = queue.get()
+    return calibration_from(per_world, "nccl" if use_cuda else "gloo", name=name)
+
+
+def calibration_from(
+    per_world: Dict[int, Tuple[Dict[str, float], Dict[str, Dict[str, float]]]],
+    backend: str,
+    name: Optional[str] = None,
+) -> Calibration:
+    """A ``Calibration`` from ``{world_size: calibrate_in_group(...)}``. Compute rates come from
+    the largest world size measured (every rank computing at once); the ring link from the
+    largest world size's all-gather fit ([Note: collective costs])."""
+    largest = max(per_world)
+    compute, _ = per_world[largest]
+    collectives: Dict[str, Dict[int, Dict[str, float]]] = {k: {} for k in KINDS}
+    for world, (_, fits) in per_world.items():
+        for kind, fit in fits.items():
+            collectives[kind][world] = fit
+    ring = collectives["all_gather"].get(largest) if largest > 1 else None
+    latency, bandwidth = 1e-4, 1e9
+    if ring is not None:
+        latency = ring["alpha_s"] / (largest - 1)
+        beta = ring["beta_s_per_byte"]
+        bandwidth = (largest - 1) / largest / beta if beta > 0 else 1e12
+    where = f"measured by tiny_fsdp.plan --calibrate on {socket.gethostname()}, {time.ctime()}"
+    return Calibration(
+        name=name or f"measured-{backend}",
+        backend=backend,
+        flops_per_s=compute["flops_per_s"],
+        optimizer_s_per_param=compute["optimizer_s_per_param"],
+        layer_overhead_s=compute["layer_overhead_s"],
+        activation_s_per_byte=compute["activation_s_per_byte"],
+        wrapper_layer_s=dict(compute.get("wrapper_layer_s", {})),
+        comm_channels=2 if backend == "gloo" else 1,  # gloo's default worker threads
+        overlap=compute.get("overlap", 1.0),
+        latency_s=latency,
+        bandwidth_bytes_per_s=bandwidth,
+        collectives=collectives,
+        sources={
+            "compute": f"{where}; {largest} ranks computing at once",
+            "collectives": f"{where}; world sizes {sorted(per_world)}",
+            "link": f"fitted to the all_gather of {largest} ranks (ring model)",
+        },
+    )

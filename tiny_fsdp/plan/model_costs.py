@@ -1,0 +1,192 @@
+"""What a model costs per step, independent of any strategy: FLOPs, activations, parameter groups.
+
+[Note: model costs]
+``ModelCosts`` describes a model by what the strategies see of it:
+
+- ``tensors``: elements of every distinct parameter tensor (a tied weight once);
+- ``layers``: per layer (a module holding parameters directly: a linear, a norm, an
+  embedding) the tensors it uses, in forward order; a tied weight appears in each layer using it
+  (ZeRO-3 fetches and reduces it once per use, FSDP reduces per layer);
+- ``units``: FSDP's gather units with ``unit="auto"`` (the root's layers, then one unit per
+  repeated block), as tensor index lists.
+
+FLOPs per token (Kaplan et al. 2020, "Scaling laws", section 2.1): 6 per weight element of the
+matrix products (2 forward, 4 backward), embeddings excluded except a tied output head, plus
+attention scores and their product with the values, 2 * 2 * T * C forward per layer (12 T C
+with backward). Elementwise operations (norms, GELU, softmax, the optimizer) are not FLOPs here:
+their time is in the calibrated rate ([Note: calibration]).
+
+Activations: the bytes autograd keeps for backward, per token, measured from the saved tensors
+of ``GPT2Model`` with CPU's fused attention (``tests/test_plan.py`` checks it per strategy):
+
+    per block      16 C  activation elements  (ln_1 in, c_attn in, q k v, attention out,
+                                                c_proj in, ln_2 in, c_fc in, GELU in 4C,
+                                                c_proj in 4C) + 4 fp32 norm statistics
+                                                + n_head fp32 log-sum-exp
+    head            2 C + V elements           (ln_f in, lm_head in, log-softmax out)
+                                                + 2 fp32 statistics + 2 int64 ids + 2 bytes
+
+With gradient checkpointing a block keeps only its input (C elements), and backward recomputes
+one block at a time, so one block's full activations come back on top. Other models: the saved
+tensors of one forward on the ``meta`` device (no memory, no compute); attention kernels on
+``meta`` may keep more than the fused ones (their scores).
+"""
+
+import copy
+from dataclasses import dataclass
+from typing import Dict, List, Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from tiny_fsdp.models.gpt2 import GPT2Model, GPTConfig
+
+
+@dataclass(frozen=True)
+class ModelCosts:
+    """A model as the planner sees it ([Note: model costs]).
+
+    Attributes:
+        name: for printing.
+        tensors: elements per distinct parameter tensor.
+        layers: per layer, in forward order, the indices (into ``tensors``) it uses.
+        units: FSDP gather units (``unit="auto"``), root first, as tensor index lists.
+        layer_matmul: per layer, the weight elements of its matrix products per token.
+        matmul_params: weight elements of the matrix products per token (tied head included).
+        attention_flops_per_token: forward attention FLOPs per token at ``seq_len`` = 1
+            (multiply by ``seq_len``): ``4 * n_layer * C`` for GPT-2, 0 if unknown.
+        act_per_token: ``(elements, fixed bytes)`` saved for backward per token; ``fixed``
+            holds the fp32 / int64 parts that do not follow the compute dtype.
+        ckpt_per_token: the same with gradient checkpointing; None if the model cannot.
+        block_per_token: one block's ``(elements, fixed bytes)`` (recomputed under checkpointing).
+    """
+
+    name: str
+    tensors: List[int]
+    layers: List[List[int]]
+    units: List[List[int]]
+    layer_matmul: List[int]
+    matmul_params: int
+    attention_flops_per_token: int = 0
+    act_per_token: tuple = (0, 0)
+    ckpt_per_token: Optional[tuple] = None
+    block_per_token: tuple = (0, 0)
+
+    @property
+    def num_params(self) -> int:
+        return sum(self.tensors)
+
+    def flops(self, tokens: int, seq_len: int) -> float:
+        """Forward + backward FLOPs of ``tokens`` tokens in sequences of ``seq_len``."""
+        return (
+            6.0 * self.matmul_params * tokens
+            + 3.0 * self.attention_flops_per_token * seq_len * tokens
+        )
+
+    def activation_bytes(self, tokens: int, elem_bytes: int, grad_ckpt: bool = False) -> int:
+        """Peak bytes kept for backward by ``tokens`` tokens ([Note: model costs])."""
+        if grad_ckpt:
+            if self.ckpt_per_token is None:
+                raise ValueError(f"{self.name} cannot checkpoint (no repeated blocks known)")
+            (e, f), (be, bf) = self.ckpt_per_token, self.block_per_token
+            return int(tokens * (e * elem_bytes + f + be * elem_bytes + bf))
+        e, f = self.act_per_token
+        return int(tokens * (e * elem_bytes + f))
+
+
+def _layers_and_tensors(model: nn.Module):
+    """Distinct tensors, each layer's tensor indices, and the auto gather units."""
+    from tiny_fsdp.core.unit_layout import repeated_blocks
+
+    index: Dict[int, int] = {}
+    tensors: List[int] = []
+    for p in model.parameters():  # a tied parameter once
+        index[id(p)] = len(tensors)
+        tensors.append(p.numel())
+    # Every module holding parameters is a layer; a tied weight is in each layer that uses it.
+    layer_modules = [m for m in model.modules() if any(True for _ in m.parameters(recurse=False))]
+    layers = [[index[id(p)] for p in m.parameters(recurse=False)] for m in layer_modules]
+    layer_matmul = [
+        (
+            0
+            if isinstance(m, nn.Embedding)
+            else sum(p.numel() for p in m.parameters(recurse=False) if p.dim() >= 2)
+        )
+        for m in layer_modules
+    ]
+    blocks = repeated_blocks(model) or []
+    in_block: Dict[int, int] = {}
+    for b, block in enumerate(blocks):
+        for p in block.parameters():
+            in_block.setdefault(id(p), b)
+    units: List[List[int]] = [[] for _ in range(len(blocks) + 1)]
+    for p in model.parameters():
+        units[in_block.get(id(p), -1) + 1].append(index[id(p)])
+    units = [u for u in units if u] if blocks else [[i] for layer in layers for i in layer]
+    return tensors, layers, units, layer_matmul
+
+
+def gpt2_costs(config: GPTConfig, name: str = "gpt2") -> ModelCosts:
+    """``ModelCosts`` of ``GPT2Model(config)``, built on ``meta`` ([Note: model costs])."""
+    with torch.device("meta"):
+        model = GPT2Model(config)
+    tensors, layers, units, layer_matmul = _layers_and_tensors(model)
+    c, v, h = config.n_embd, config.vocab_size, config.n_head
+    per_layer = 12 * c * c  # c_attn 3 C^2, c_proj C^2, c_fc 4 C^2, c_proj 4 C^2
+    block = (16 * c, 4 * 4 + 4 * h)
+    head = (2 * c + v, 2 * 4 + 2 * 8 + 2)
+    n = config.n_layer
+    return ModelCosts(
+        name=name,
+        tensors=tensors,
+        layers=layers,
+        units=units,
+        layer_matmul=layer_matmul,
+        matmul_params=n * per_layer + c * v,
+        attention_flops_per_token=4 * n * c,
+        act_per_token=(n * block[0] + head[0], n * block[1] + head[1]),
+        ckpt_per_token=(n * c + head[0], head[1]),
+        block_per_token=block,
+    )
+
+
+def module_costs(
+    model: nn.Module, example_input: Optional[torch.Tensor] = None, name: Optional[str] = None
+) -> ModelCosts:
+    """``ModelCosts`` of any module. A ``GPT2Model`` uses its config; another model's
+    activations come from one forward of ``example_input`` (``(1, T)`` token ids per token
+    count) on ``meta`` ([Note: model costs]); without an input they are unknown (0)."""
+    name = name or type(model).__name__
+    config = getattr(model, "config", None)
+    if isinstance(model, GPT2Model) and isinstance(config, GPTConfig):
+        return gpt2_costs(config, name)
+    tensors, layers, units, layer_matmul = _layers_and_tensors(model)
+    matmul = sum(layer_matmul)
+    act = (0, 0)
+    if example_input is not None:
+        act = (0, _meta_saved_bytes(model, example_input) / example_input.numel())
+    return ModelCosts(name, tensors, layers, units, layer_matmul, matmul, 0, act, None, (0, 0))
+
+
+def _meta_saved_bytes(model: nn.Module, example_input: torch.Tensor) -> int:
+    """Bytes of the distinct tensors (not parameters) autograd saves in one forward on meta."""
+    meta = model
+    if next(model.parameters()).device.type != "meta":
+        meta = copy.deepcopy(model).to("meta")  # leave the caller's model as it is
+    params = {id(p) for p in meta.parameters()}
+    seen: Dict[int, int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        base = t
+        while base._base is not None:
+            base = base._base
+        if id(base) not in params:
+            seen[id(base)] = base.numel() * base.element_size()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = meta(example_input.to("meta"))
+        logits = out if isinstance(out, torch.Tensor) else out.logits
+        F.log_softmax(logits.float(), dim=-1).sum()
+    return sum(seen.values())

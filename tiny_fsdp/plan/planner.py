@@ -1,0 +1,129 @@
+"""Predict every strategy's peak memory per rank and step time ([Note: what the planner predicts]).
+
+[Note: what the planner predicts]
+For each strategy, per rank (the largest rank where ranks differ):
+
+    peak_bytes = model states            ZeRO formulas ([Note: ZeRO memory formulas]); ZeRO-3
+                                          from its partition table when the model is known
+               + activations              kept for backward by this rank's batch ([Note: model
+                                          costs])
+               + transient buffers        gathered parameters, reduction / staging buffers in
+                                          flight at their peak ([Note: strategy schedules])
+
+It is the sum of each part's own peak, so an upper bound of the bytes in use at one moment; it
+leaves out what no strategy controls (the logits' gradient, autograd's temporaries, allocator
+caching). ``tests/test_plan.py`` measures the same three parts: the memory ledger, the
+saved-tensor bytes of the forward, and the strategies' own buffer meters.
+
+``step_ms`` is the planned timeline of one step ([Note: strategy schedules]); ``tokens_per_s``
+is the global batch (all ranks) over it; ``fits`` is ``peak_bytes <= gpu_memory``.
+"""
+
+from dataclasses import asdict, dataclass
+from typing import Dict, List, Optional, Sequence
+
+from torch import nn
+
+from tiny_fsdp.estimate import bytes_per_param, estimate_memory, estimate_model
+from tiny_fsdp.plan.calibration import Calibration
+from tiny_fsdp.plan.model_costs import ModelCosts, module_costs
+from tiny_fsdp.plan.schedules import StepSetup, plan_step
+
+STRATEGIES = ("ddp", "zero1", "zero2", "zero3", "fsdp")
+
+
+@dataclass(frozen=True)
+class Prediction:
+    """One strategy's plan ([Note: what the planner predicts]); bytes per rank."""
+
+    peak_bytes: int
+    step_ms: float
+    tokens_per_s: float
+    fits: Optional[bool]
+    model_state_bytes: int
+    activation_bytes: int
+    transient_bytes: int
+    compute_ms: float
+    comm_ms: float
+
+    def summary(self) -> Dict[str, object]:
+        """The four figures of ``--json``."""
+        keys = ("peak_bytes", "step_ms", "tokens_per_s", "fits")
+        return {k: v for k, v in asdict(self).items() if k in keys}
+
+
+def plan(
+    costs: ModelCosts,
+    calibration: Calibration,
+    world_size: int,
+    batch_size: int,
+    seq_len: int,
+    precision: str = "fp32",
+    optimizer: str = "adamw",
+    grad_ckpt: bool = False,
+    gpu_memory: Optional[float] = None,
+    hsdp_replicas: Optional[int] = None,
+    model_states: Optional[Dict[str, List]] = None,
+    strategies: Sequence[str] = STRATEGIES,
+) -> Dict[str, Prediction]:
+    """``{strategy: Prediction}``; ``batch_size`` is per rank. ``model_states``: per-rank
+    ``MemoryReport``s per strategy (``estimate_model``'s), else the ZeRO formulas with
+    ``Psi / N``. With ``hsdp_replicas`` = R, also ``"hsdp"``: FSDP over ``N / R`` ranks."""
+    if hsdp_replicas is not None and (hsdp_replicas < 1 or world_size % hsdp_replicas):
+        raise ValueError(f"--hsdp {hsdp_replicas} must divide world_size {world_size}")
+    p_bytes, _, _ = bytes_per_param(precision, optimizer)
+    act_bytes = 2 if precision == "bf16" else 4
+    states = model_states or estimate_memory(costs.num_params, world_size, precision, optimizer)
+    names = list(strategies) + (["hsdp"] if hsdp_replicas else [])
+    tokens = batch_size * seq_len
+    activations = costs.activation_bytes(tokens, act_bytes, grad_ckpt)
+    out = {}
+    for name in names:
+        replicas = hsdp_replicas if name == "hsdp" else 1
+        setup = StepSetup(
+            costs, calibration, world_size, tokens, seq_len, p_bytes, act_bytes, grad_ckpt,
+            replicas,
+        )  # fmt: skip
+        step = plan_step(name, setup)
+        if name == "hsdp":
+            shard = estimate_memory(costs.num_params, world_size // replicas, precision, optimizer)
+            per_rank = shard["fsdp"]
+        else:
+            per_rank = states[name]
+        model_state = max(r.model_states for r in per_rank)
+        peak = model_state + activations + step.transient_bytes
+        out[name] = Prediction(
+            peak_bytes=int(peak),
+            step_ms=1e3 * step.seconds,
+            tokens_per_s=tokens * world_size / step.seconds if step.seconds > 0 else float("inf"),
+            fits=None if gpu_memory is None else peak <= gpu_memory,
+            model_state_bytes=int(model_state),
+            activation_bytes=int(activations),
+            transient_bytes=int(step.transient_bytes),
+            compute_ms=1e3 * step.compute_s,
+            comm_ms=1e3 * step.comm_s,
+        )
+    return out
+
+
+def plan_model(
+    model: nn.Module,
+    calibration: Calibration,
+    world_size: int,
+    batch_size: int,
+    seq_len: int,
+    precision: str = "fp32",
+    optimizer: str = "adamw",
+    grad_ckpt: bool = False,
+    gpu_memory: Optional[float] = None,
+    hsdp_replicas: Optional[int] = None,
+    example_input=None,
+) -> Dict[str, Prediction]:
+    """``plan`` for an ``nn.Module`` (on ``meta`` is best): its layers, units and ZeRO-3
+    partition table are read from it ([Note: model costs])."""
+    costs = module_costs(model, example_input)
+    states = estimate_model(model, world_size, precision, optimizer)
+    return plan(
+        costs, calibration, world_size, batch_size, seq_len, precision, optimizer, grad_ckpt,
+        gpu_memory, hsdp_replicas, states,
+    )  # fmt: skip

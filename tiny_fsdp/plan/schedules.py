@@ -1,0 +1,248 @@
+"""Each strategy's step as the wrappers run it with their default arguments: collectives, overlap,
+transient buffers ([Note: planned timeline], [Note: strategy schedules]).
+
+[Note: strategy schedules]
+One rank's step, with the defaults of ``DDP``, ``Zero1/2``, ``Zero3`` and ``FSDP``:
+
+- DDP: gradients in 25 MiB buckets in reverse parameter order (plus one flag element per
+  parameter); a full bucket's all-reduce is issued during backward and runs while earlier layers
+  compute; the optimizer waits for all of them.
+- ZeRO-1 / ZeRO-2: the same buckets (padded to ``N``), each reduce-scattered (gloo: all-reduced);
+  ZeRO-2 keeps one reduction in flight, so a second full bucket waits for the first; the optimizer
+  updates ``1 / N`` of the parameters, then each bucket is all-gathered (gloo: ``N`` broadcasts).
+  ZeRO-2's staging buffers (the bucket being reduced and the one filling) are transient memory.
+- ZeRO-3 and FSDP (``unit="auto"``: the blocks, and a root unit with the other layers): the
+  root unit is unsharded at the start and kept until the end of backward (full through the
+  forward, and the first unit of the backward); each block is unsharded before its forward
+  (the next ones prefetched: 2 for ZeRO-3, 1 for FSDP) and freed after it, again in backward;
+  after a unit's last backward layer its summed gradients are reduced, asynchronously, 2
+  reductions in flight. FSDP issues one all-gather and one reduce-scatter per unit; ZeRO-3 one
+  broadcast and one reduce per owner of the unit's tensors (at most ``N``). Unsharded units,
+  the gradient sum being filled and the reductions in flight are transient memory.
+- HSDP (``R`` replica groups): FSDP inside groups of ``N / R`` ranks, and each reduced shard is
+  then all-reduced across the ``R`` groups (over the inter-node link when the calibration gives
+  one).
+
+Compute per layer ([Note: model costs]): its matrix products at the calibrated rate, an equal
+share of the attention FLOPs and the elementwise work, and the fixed per-layer cost; backward is
+twice the forward (plus a forward of each block again under gradient checkpointing).
+"""
+
+from dataclasses import dataclass
+from typing import Dict, List, Optional
+
+from tiny_fsdp.plan.calibration import Calibration
+from tiny_fsdp.plan.collectives import collective_s
+from tiny_fsdp.plan.model_costs import ModelCosts
+from tiny_fsdp.plan.timeline import Timeline
+
+BUCKET_CAP_BYTES = 25 * 2**20  # DDP / ZeRO-1/2 default bucket_cap_mb
+ZERO3_PREFETCH = 2  # Zero3 default prefetch_limit
+FSDP_PREFETCH = 1  # FSDP default prefetch_limit
+IN_FLIGHT = 2  # asynchronous reductions in flight (reductions.py)
+
+
+@dataclass(frozen=True)
+class StepSetup:
+    """What one rank computes: ``tokens`` = its batch rows times ``seq_len``."""
+
+    costs: ModelCosts
+    calibration: Calibration
+    world_size: int
+    tokens: int
+    seq_len: int
+    param_bytes: int  # bytes of a parameter as computed / communicated (2 under bf16)
+    act_bytes: int  # bytes of an activation element
+    grad_ckpt: bool = False
+    replicas: int = 1  # HSDP replica groups
+
+
+@dataclass
+class StepPlan:
+    seconds: float
+    compute_s: float
+    comm_s: float
+    transient_bytes: int  # gathered parameters, reduce / staging buffers at their peak
+
+
+def _planned(tl: Timeline, cal: Calibration, transient: float) -> StepPlan:
+    """The step of timeline ``tl``, with the calibration's overlap ([Note: calibration])."""
+    compute, comm = tl.busy("compute"), tl.busy("comm")
+    seconds = cal.overlap * tl.seconds + (1 - cal.overlap) * max(tl.seconds, compute + comm)
+    return StepPlan(seconds, compute, comm, int(transient))
+
+
+def _ceil_to(n: int, k: int) -> int:
+    return -(-n // k) * k
+
+
+def _layer_seconds(s: StepSetup, strategy: str) -> List[float]:
+    """Forward seconds per layer ([Note: strategy schedules]); backward takes twice as long."""
+    cal, costs = s.calibration, s.costs
+    layers = len(costs.layers)
+    shared = 2.0 * costs.attention_flops_per_token * s.seq_len * s.tokens / cal.flops_per_s
+    shared += costs.activation_bytes(s.tokens, s.act_bytes) * cal.activation_s_per_byte / 3
+    wrapper = cal.wrapper_layer_s.get("fsdp" if strategy == "hsdp" else strategy, 0.0)
+    fixed = (cal.layer_overhead_s + wrapper) / 3
+    return [
+        2.0 * m * s.tokens / cal.flops_per_s + shared / layers + fixed for m in costs.layer_matmul
+    ]
+
+
+def _compute(tl: Timeline, fwd: List[float], s: StepSetup) -> None:
+    """Plain forward and backward, no communication."""
+    for t in fwd:
+        tl.add("compute", t)
+    for t in reversed(fwd):
+        tl.add("compute", 2 * t + (t if s.grad_ckpt else 0.0))
+
+
+def _bucket_members(s: StepSetup) -> List[List[int]]:
+    """Tensor indices of each gradient bucket, in backward (launch) order: reverse parameter
+    order, a new bucket when the next tensor would pass the cap ([Note: gradient bucket
+    layout])."""
+    cap = BUCKET_CAP_BYTES // s.param_bytes
+    out: List[List[int]] = []
+    filled = 0
+    for i in reversed(range(len(s.costs.tensors))):
+        n = s.costs.tensors[i]
+        if not out or (filled > 0 and filled + n > cap):
+            out.append([])
+            filled = 0
+        out[-1].append(i)
+        filled += n
+    return out
+
+
+def _bucketed(s: StepSetup, zero_stage: int) -> StepPlan:
+    """DDP (``zero_stage`` 0) and ZeRO-1/2: bucketed reductions overlapping backward."""
+    cal, n, tl = s.calibration, s.world_size, Timeline(comm_channels=s.calibration.comm_channels)
+    fwd = _layer_seconds(s, ("ddp", "zero1", "zero2")[zero_stage])
+    gloo = cal.backend == "gloo"
+    members = _bucket_members(s)
+    if zero_stage == 0:  # DDP: one flag element per parameter rides in its bucket
+        buckets = [sum(s.costs.tensors[t] for t in m) + len(m) for m in members]
+    else:
+        buckets = [_ceil_to(sum(s.costs.tensors[t] for t in m), n) for m in members]
+    for t in fwd:
+        tl.add("compute", t)
+    kind = "all_reduce" if zero_stage == 0 or gloo else "reduce_scatter"
+    remaining = [set(m) for m in members]
+    launched: List[int] = []
+    layers = s.costs.layers
+    for i in reversed(range(len(layers))):  # backward; hooks launch complete buckets in order
+        tl.add("compute", fwd[i] * (2 + s.grad_ckpt), label=f"bwd {i}")
+        if i > 0:  # a tied tensor is complete after its first (in forward order) layer
+            done = {t for t in layers[i] if all(t not in layers[j] for j in range(i))}
+        else:
+            done = set(layers[0])
+        for rest in remaining:
+            rest -= done
+        while len(launched) < len(buckets) and not remaining[len(launched)]:
+            if zero_stage == 2 and launched:
+                tl.wait([launched[-1]])  # one reduction in flight: the next launch waits
+            seconds = collective_s(cal, kind, buckets[len(launched)] * s.param_bytes, n)
+            launched.append(tl.add("comm", seconds, label=f"reduce bucket {len(launched)}"))
+    tl.wait(launched)
+    local = s.costs.num_params / (1 if zero_stage == 0 else n)
+    tl.add("compute", local * cal.optimizer_s_per_param, label="optimizer")
+    if zero_stage:
+        gathers = []
+        for numel in buckets:
+            if gloo:  # one broadcast per owner ([Note: ZeRO collectives on gloo])
+                for _ in range(n):
+                    seconds = collective_s(cal, "broadcast", numel // n * s.param_bytes, n)
+                    gathers.append(tl.add("comm", seconds))
+            else:
+                gathers.append(
+                    tl.add("comm", collective_s(cal, "all_gather", numel * s.param_bytes, n))
+                )
+        tl.wait(gathers)
+    transient = 0
+    if zero_stage == 2:  # staging: the bucket reduced and the one filling
+        transient = sum(sorted(buckets)[-2:]) * s.param_bytes
+    return _planned(tl, cal, transient)
+
+
+def _unit_schedule(s: StepSetup, strategy: str) -> StepPlan:
+    """ZeRO-3 and FSDP / HSDP with ``unit="auto"``: per unit, unshard before its first layer
+    (prefetching ahead), the root kept from forward to backward, one reduction per unit group
+    after its last backward layer, ``IN_FLIGHT`` reductions in flight ([Note: strategy
+    schedules])."""
+    cal, tl, costs = s.calibration, Timeline(comm_channels=s.calibration.comm_channels), s.costs
+    zero3 = strategy == "zero3"
+    n = s.world_size if zero3 else s.world_size // s.replicas
+    prefetch = ZERO3_PREFETCH if zero3 else FSDP_PREFETCH
+    fwd = _layer_seconds(s, strategy)
+    if n == 1 and zero3:  # one rank: nothing to broadcast or reduce
+        _compute(tl, fwd, s)
+        tl.add("compute", costs.num_params * cal.optimizer_s_per_param, label="optimizer")
+        return _planned(tl, cal, 0)
+    unit_of: Dict[int, int] = {t: u for u, unit in enumerate(costs.units) for t in unit}
+    layer_unit = [unit_of[layer[0]] for layer in costs.layers]
+    if zero3:  # whole tensors; one collective per owner of the unit's tensors
+        numel = [sum(costs.tensors[t] for t in unit) for unit in costs.units]
+        calls = [min(n, len(unit)) for unit in costs.units]
+    else:  # padded dim-0 shards; one collective per unit
+        numel = [sum(_ceil_to(costs.tensors[t], n) for t in unit) for unit in costs.units]
+        calls = [1] * len(costs.units)
+    unshard_kind = "broadcast" if zero3 else "all_gather"
+    reduce_kind = "reduce" if zero3 else "reduce_scatter"
+
+    def unshard(u: int, start_of: Optional[int]) -> int:
+        op = 0
+        for _ in range(calls[u]):
+            seconds = collective_s(cal, unshard_kind, numel[u] // calls[u] * s.param_bytes, n)
+            op = tl.add("comm", seconds, issue_at_start_of=start_of, label=f"unshard unit {u}")
+        return op
+
+    order = list(range(len(costs.layers)))
+    units_fwd = list(dict.fromkeys(layer_unit[i] for i in order))
+    units_bwd = list(dict.fromkeys(layer_unit[i] for i in reversed(order)))
+    last_bwd_layer = {u: min(i for i in order if layer_unit[i] == u) for u in units_bwd}
+    full: Dict[int, int] = {}
+    current = None
+    for i in order:  # forward: unshard a unit at its first layer, prefetch the next ones
+        u = layer_unit[i]
+        position = units_fwd.index(u)
+        for ahead in units_fwd[position : position + prefetch + 1]:
+            if ahead not in full:
+                full[ahead] = unshard(ahead, current)
+        current = tl.add("compute", fwd[i], [full[u]])
+    kept = {units_bwd[0]: full[units_bwd[0]]}  # the first unit of the backward stays full
+    full, reductions, current = kept, [], None
+    for i in reversed(order):
+        u = layer_unit[i]
+        position = units_bwd.index(u)
+        for ahead in units_bwd[position : position + prefetch + 1]:
+            if ahead not in full:
+                full[ahead] = unshard(ahead, current)
+        current = tl.add("compute", fwd[i] * (2 + s.grad_ckpt), [full[u]])
+        if last_bwd_layer[u] != i:
+            continue
+        for _ in range(calls[u]):  # the unit's gradients: one reduction per group
+            if len(reductions) >= IN_FLIGHT:
+                tl.wait([reductions[-IN_FLIGHT]])
+            seconds = collective_s(cal, reduce_kind, numel[u] // calls[u] * 4, n)
+            if s.replicas > 1:
+                seconds += collective_s(
+                    cal, "all_reduce", numel[u] // n * 4, s.replicas, inter_node=True
+                )
+            reductions.append(tl.add("comm", seconds, label=f"reduce unit {u}"))
+    tl.wait(reductions)
+    tl.add("compute", costs.num_params / n * cal.optimizer_s_per_param, label="optimizer")
+    # Transient bytes: the root (full for the whole step) and the unit computing with the
+    # prefetched ones; the gradient sum being filled and IN_FLIGHT reductions' inputs.
+    root, blocks = numel[units_bwd[0]], sorted(numel[u] for u in units_bwd[1:]) or [0]
+    unsharded = (root + sum(blocks[-(prefetch + 1) :])) * s.param_bytes
+    reducing = sum(sorted(numel)[-(IN_FLIGHT + 1) :]) * 4
+    return _planned(tl, cal, unsharded + reducing)
+
+
+def plan_step(strategy: str, s: StepSetup) -> StepPlan:
+    """The step of ``strategy`` ([Note: strategy schedules])."""
+    if strategy in ("ddp", "zero1", "zero2"):
+        return _bucketed(s, {"ddp": 0, "zero1": 1, "zero2": 2}[strategy])
+    if strategy in ("zero3", "fsdp", "hsdp"):
+        return _unit_schedule(s, strategy)
+    raise ValueError(f"unknown strategy {strategy!r}")
