@@ -9,12 +9,15 @@ an all-reduce moves 2 (N-1)/N of its payload, an all-gather, a reduce-scatter, a
 reduce (N-1)/N. Counting costs two dictionary updates per call.
 """
 
+import functools
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import Dict, List, Optional
+from typing import Any, Callable, Dict, List, Optional
 
 import torch
 import torch.distributed as dist
+
+from tiny_fsdp.trace import recorder as _trace
 
 # torch >= 2.13 renames the *_into_tensor / *_tensor collectives; use whichever exists.
 _all_gather_tensor = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -49,14 +52,38 @@ class CommLedger:
 LEDGER = CommLedger()
 
 
+def _issue(
+    kind: str,
+    payload: torch.Tensor,
+    fn: Callable,
+    *args: Any,
+    group: Any,
+    async_op: bool,
+    **kw: Any,
+) -> Any:
+    """``fn(*args, group=group, async_op=async_op, **kw)``: the collective, counted in the ledger
+    and, while a step is traced, recorded from issue to completion ([Note: trace recorder],
+    ``tiny_fsdp/trace/recorder.py``)."""
+    LEDGER.record(kind, payload)
+    rec = _trace.ACTIVE
+    if rec is None:
+        return fn(*args, group=group, async_op=async_op, **kw)
+    call = functools.partial(fn, *args, group=group, async_op=async_op, **kw)
+    lane = "default" if group is None else str(getattr(group, "group_name", id(group)))
+    if payload.is_cuda:
+        lane += f" stream {torch.cuda.current_stream(payload.device).stream_id}"
+    return rec.collective(kind, payload.numel() * payload.element_size(), lane, async_op, call)
+
+
 def all_reduce(
     tensor: torch.Tensor,
     op: dist.ReduceOp = dist.ReduceOp.SUM,
     group: Optional[dist.ProcessGroup] = None,
     async_op: bool = False,
 ) -> Optional[dist.Work]:
-    LEDGER.record("all_reduce", tensor)
-    return dist.all_reduce(tensor, op=op, group=group, async_op=async_op)
+    return _issue(
+        "all_reduce", tensor, dist.all_reduce, tensor, op=op, group=group, async_op=async_op
+    )
 
 
 def all_gather(
@@ -66,8 +93,9 @@ def all_gather(
     async_op: bool = False,
 ) -> Optional[dist.Work]:
     """``output`` (N * k,) <- the ``input`` (k,) of every rank, in rank order."""
-    LEDGER.record("all_gather", output)
-    return _all_gather_tensor(output, input, group=group, async_op=async_op)
+    return _issue(
+        "all_gather", output, _all_gather_tensor, output, input, group=group, async_op=async_op
+    )
 
 
 def reduce_scatter(
@@ -78,8 +106,16 @@ def reduce_scatter(
     async_op: bool = False,
 ) -> Optional[dist.Work]:
     """``output`` (k,) <- rank r's chunk of the reduction of every rank's ``input`` (N * k,)."""
-    LEDGER.record("reduce_scatter", input)
-    return _reduce_scatter_tensor(output, input, op=op, group=group, async_op=async_op)
+    return _issue(
+        "reduce_scatter",
+        input,
+        _reduce_scatter_tensor,
+        output,
+        input,
+        op=op,
+        group=group,
+        async_op=async_op,
+    )
 
 
 def broadcast(
@@ -88,8 +124,9 @@ def broadcast(
     group: Optional[dist.ProcessGroup] = None,
     async_op: bool = False,
 ) -> Optional[dist.Work]:
-    LEDGER.record("broadcast", tensor)
-    return dist.broadcast(tensor, src=src, group=group, async_op=async_op)
+    return _issue(
+        "broadcast", tensor, dist.broadcast, tensor, src=src, group=group, async_op=async_op
+    )
 
 
 def reduce(
@@ -99,12 +136,20 @@ def reduce(
     group: Optional[dist.ProcessGroup] = None,
     async_op: bool = False,
 ) -> Optional[dist.Work]:
-    LEDGER.record("reduce", tensor)
-    return dist.reduce(tensor, dst=dst, op=op, group=group, async_op=async_op)
+    return _issue(
+        "reduce", tensor, dist.reduce, tensor, dst=dst, op=op, group=group, async_op=async_op
+    )
 
 
 def all_gather_object(obj: object, group: Optional[dist.ProcessGroup] = None) -> List[object]:
     """Every rank's ``obj`` in rank order (metadata only; not counted in the ledger)."""
     out: List[object] = [None] * dist.get_world_size(group)
     dist.all_gather_object(out, obj, group=group)
+    return out
+
+
+def gather_object(obj: object, dst: int = 0) -> Optional[List[object]]:
+    """Every rank's ``obj`` in rank order on ``dst``, None elsewhere (not counted)."""
+    out: Optional[List[object]] = [None] * dist.get_world_size() if dist.get_rank() == dst else None
+    dist.gather_object(obj, out, dst=dst)
     return out
