@@ -92,6 +92,13 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     p.add_argument("--threads", type=int, default=1, help="torch threads per rank")
     p.add_argument("--device", default=None, help="cuda if present, else cpu")
     p.add_argument("--out", default="out/benchmark")
+    p.add_argument(
+        "--trace",
+        default=None,
+        metavar="DIR",
+        help="timelines of our strategies' last timed step: DIR/<strategy>.trace.json (Perfetto), "
+        "DIR/<strategy>.png and DIR/strategies.png (all side by side)",
+    )
     args = p.parse_args(argv)
     args.async_comm = "off" if args.sync_comm else "on"  # every strategy, ours: explicit
     args.strategies = [s for s in args.strategies.split(",") if s]
@@ -125,7 +132,8 @@ def main(argv: Optional[List[str]] = None) -> None:
         torch.manual_seed(args.seed)  # same weights for every strategy
         return spec.make()
 
-    results, loads = run_phases(args, env, batches, make_model)
+    traces: dict = {}
+    results, loads = run_phases(args, env, batches, make_model, traces)
     if env.is_master:
         tokens = args.batch_size * args.seq_len * env.world_size
         with torch.device("meta"):
@@ -147,6 +155,11 @@ def main(argv: Optional[List[str]] = None) -> None:
         paths = plot(rows, args.out)
         print(f"{header}\n\n{table}\n\nwritten: {args.out}/results.md, results.json, "
               + ", ".join(os.path.basename(p) for p in paths))  # fmt: skip
+        if traces:
+            print(f"timelines written: {args.trace}/<strategy>.trace.json and .png")
+            from tiny_fsdp.trace.plot import plot_strategies  # matplotlib: already needed above
+
+            print(plot_strategies(traces, os.path.join(args.trace, "strategies.png")))
     dist.destroy_process_group()
 
 

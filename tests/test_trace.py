@@ -7,6 +7,7 @@ memory ledger. Nothing here times anything: overlap is a fact of the event order
 that completes while the rank computes), not a duration.
 """
 
+import importlib.util
 import json
 import os
 import subprocess
@@ -15,7 +16,6 @@ from collections import Counter
 from typing import Any, Dict, List
 
 import pytest
-import torch
 
 from tests.harness import run_distributed
 from tests.parity import global_batch, lm_loss, local_slice, make_model
@@ -25,7 +25,7 @@ from tiny_fsdp.core.fsdp import FSDP, FSDPAdamW
 from tiny_fsdp.core.memory import memory_ledger
 from tiny_fsdp.trace import recorder
 from tiny_fsdp.trace.chrome import chrome_trace
-from tiny_fsdp.trace.session import gather_records, trace_step
+from tiny_fsdp.trace.session import gather_records, trace_step, write_trace
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BATCH, SEQ = 4, 32
@@ -144,3 +144,30 @@ def test_async_run_overlaps_comm_with_compute_and_sync_run_does_not(fsdp_runs):
     for pid in (0, 1):
         assert _overlaps(async_events, pid) > 0
         assert _overlaps(sync_events, pid) == 0
+
+
+def test_example_trace_writes_the_chrome_trace_and_the_png(tmp_path):
+    """``--trace DIR`` of the examples (the one loop of ``example/trainer.py``); the cheapest
+    example, single device: the 2-rank gathering is the tests above' ``gather_records``."""
+    out = tmp_path / "trace"
+    cmd = [sys.executable, "example/single_device/train.py", "--model", "gpt2_bytes", "--steps",
+           "2", "--seq_len", "16", "--batch_size", "1", "--device", "cpu", "--trace", str(out)]  # fmt: skip
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=ROOT)
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=180)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    with open(out / "single_device.trace.json") as f:
+        events = json.load(f)["traceEvents"]
+    steps = {e["args"]["step"] for e in events if e.get("cat") == "compute"}
+    assert steps == {1}  # the last step only (--trace_steps last)
+    has_matplotlib = importlib.util.find_spec("matplotlib") is not None
+    assert (out / "single_device.png").exists() == has_matplotlib
+
+
+def test_write_trace_without_matplotlib_writes_only_the_json(tmp_path, monkeypatch):
+    """matplotlib is a dev extra: without it the JSON is still written."""
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # makes `import matplotlib` fail
+    monkeypatch.delitem(sys.modules, "tiny_fsdp.trace.plot", raising=False)
+    ranks = [dict(rank=0, spans=[], comms=[], samples=[])]
+    paths = write_trace(ranks, str(tmp_path), "ddp")
+    assert paths == [str(tmp_path / "ddp.trace.json")]
+    assert json.loads((tmp_path / "ddp.trace.json").read_text())["traceEvents"][0]["pid"] == 0

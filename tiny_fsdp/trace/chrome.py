@@ -52,9 +52,10 @@ def chrome_trace(ranks: List[Dict[str, Any]], name: str) -> Dict[str, Any]:
         events.append(dict(ph="M", name="process_sort_index", pid=pid, args=dict(sort_index=pid)))
         tids = {"compute": 0}
         for s in r["spans"]:
+            args = dict(layer=s["name"], phase=s["phase"], step=s["step"])
             events.append(dict(ph="X", cat="compute", name=f"{s['name']} {s['phase']}", pid=pid,
                                tid=0, ts=us(s["begin"]), dur=(s["end"] - s["begin"]) / 1e3,
-                               args=dict(layer=s["name"], phase=s["phase"], step=s["step"])))  # fmt: skip
+                               args=args))  # fmt: skip
         for c, lane in zip(r["comms"], _lanes(r["comms"])):
             tid = tids.setdefault(lane, len(tids))
             events.append(dict(ph="X", cat="comm", name=c["kind"], pid=pid, tid=tid,
