@@ -205,8 +205,8 @@ def main(strategy: str, argv: Optional[List[str]] = None) -> List[float]:
     traced = parse_steps(args.trace_steps, args.steps)
     tracer = StepTracer(args.trace, strategy, traced, model, optimizer, env.rank)
     for step in bar:
+        tracer.start(step)  # before the timing, as stop() after it: only recording is timed
         t0 = time.perf_counter()
-        tracer.start(step)
         for group in optimizer.param_groups:
             group["lr"] = lr_at(step, args)
         step_loss = 0.0
@@ -243,7 +243,7 @@ def main(strategy: str, argv: Optional[List[str]] = None) -> List[float]:
         if env.device.type == "cuda":
             torch.cuda.synchronize(env.device)
         ms = (time.perf_counter() - t0) * 1e3
-        tracer.stop()  # after the timing: turning marks into events is not part of the step
+        tracer.stop()
         losses.append(mean_over_ranks(step_loss, env))
         if master and (step % args.log_every == 0 or step == args.steps - 1 or nonfinite):
             mem = peak_memory_bytes(env.device) / 2**30

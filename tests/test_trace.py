@@ -151,7 +151,8 @@ def test_example_trace_writes_the_chrome_trace_and_the_png(tmp_path):
     example, single device: the 2-rank gathering is the tests above' ``gather_records``."""
     out = tmp_path / "trace"
     cmd = [sys.executable, "example/single_device/train.py", "--model", "gpt2_bytes", "--steps",
-           "2", "--seq_len", "16", "--batch_size", "1", "--device", "cpu", "--trace", str(out)]  # fmt: skip
+           "2", "--seq_len", "16", "--batch_size", "1", "--device", "cpu",
+           "--trace", str(out)]  # fmt: skip
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=ROOT)
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=180)
     assert proc.returncode == 0, proc.stderr[-3000:]

@@ -107,6 +107,12 @@ class Zero3(DataParallelWrapper):
                 Zero3Handler(self._runtime).attach(layer)
         self._reads = OutsideReadWatch(self.module)
 
+    def transient_bytes(self) -> Dict[str, int]:
+        """Bytes of fetched (non-owned) parameter buffers and of reductions in flight now (read
+        at every compute boundary of a traced step, ``tiny_fsdp/trace``)."""
+        rt = self._runtime
+        return {"gathered": rt.stats.live_bytes, "reductions": rt.reductions.stats.live_bytes}
+
     @property
     def fetch_stats(self) -> FetchStats:
         """Bytes of fetched, non-owned parameter buffers on this rank (live and peak)."""
