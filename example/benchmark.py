@@ -3,6 +3,7 @@
     torchrun --standalone --nproc_per_node=2 example/benchmark.py --model gpt2_mini --steps 20
     torchrun --standalone --nproc_per_node=2 example/benchmark.py --strategies fsdp,zero3 --compare
     torchrun --standalone --nproc_per_node=2 example/benchmark.py --strategies fsdp
+    torchrun --standalone --nproc_per_node=2 example/benchmark.py --steps 3 --trace out/trace
     torchrun --standalone --nproc_per_node=2 example/benchmark.py --model hf:gpt2 \
         --strategies fsdp,fsdp_wrapped --compare --data random
 
@@ -14,7 +15,9 @@ is a GPT-2 preset or a ``transformers`` model (``hf:gpt2``, ``hf:llama``: ``exam
 the opt-in ``fsdp_wrapped`` is our FSDP with a wrapper registered for HF GPT-2's ``Conv1D``
 (``example/bench/hf_wrappers.py``) where ``fsdp`` takes the generic path: the last command
 measures the generic path against FSDP2 and against the wrapper. Writes
-``results.md``, ``results.json`` and PNG plots to ``--out`` (default ``out/benchmark``). The
+``results.md``, ``results.json`` and PNG plots to ``--out`` (default ``out/benchmark``); with
+``--trace DIR`` also per-rank timelines of our strategies' last timed step (``tiny_fsdp/trace``):
+``DIR/<strategy>.trace.json`` (Perfetto), ``DIR/<strategy>.png`` and ``DIR/strategies.png``. The
 parts live in ``example/bench/``.
 
 [Note: benchmark method]

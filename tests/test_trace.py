@@ -9,14 +9,13 @@ that completes while the rank computes), not a duration.
 
 import importlib.util
 import json
-import os
-import subprocess
 import sys
 from collections import Counter
 from typing import Any, Dict, List
 
 import pytest
 
+from example.trainer import main as trainer_main
 from tests.harness import run_distributed
 from tests.parity import global_batch, lm_loss, local_slice, make_model
 from tiny_fsdp.core.comm import LEDGER
@@ -27,7 +26,6 @@ from tiny_fsdp.trace import recorder
 from tiny_fsdp.trace.chrome import chrome_trace
 from tiny_fsdp.trace.session import gather_records, trace_step, write_trace
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BATCH, SEQ = 4, 32
 
 
@@ -147,15 +145,14 @@ def test_async_run_overlaps_comm_with_compute_and_sync_run_does_not(fsdp_runs):
 
 
 def test_example_trace_writes_the_chrome_trace_and_the_png(tmp_path):
-    """``--trace DIR`` of the examples (the one loop of ``example/trainer.py``); the cheapest
-    example, single device: the 2-rank gathering is the tests above' ``gather_records``."""
+    """``--trace DIR`` of the examples: the one loop of ``example/trainer.py``, here in this
+    process with the single-device strategy (the 2-rank gathering is the tests above')."""
+    text = tmp_path / "text.txt"
+    text.write_text("Timelines show where the time of a training step goes.\n" * 40)
     out = tmp_path / "trace"
-    cmd = [sys.executable, "example/single_device/train.py", "--model", "gpt2_bytes", "--steps",
-           "2", "--seq_len", "16", "--batch_size", "1", "--device", "cpu",
-           "--trace", str(out)]  # fmt: skip
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=ROOT)
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=180)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    argv = f"--model gpt2_bytes --steps 2 --seq_len 16 --batch_size 1 --device cpu --data {text}"
+    trainer_main("single_device", argv.split() + ["--trace", str(out)])
+    assert recorder.ACTIVE is None
     with open(out / "single_device.trace.json") as f:
         events = json.load(f)["traceEvents"]
     steps = {e["args"]["step"] for e in events if e.get("cat") == "compute"}

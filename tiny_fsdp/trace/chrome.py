@@ -11,7 +11,8 @@ rank. Memory is one "C" (counter) series per rank, "memory", whose fields stack:
 ``gathered`` and ``reductions`` (the strategy's transient buffers) and ``activations``; the
 allocator's count is a separate counter, "allocated". Every "X" event's ``args`` say what it
 is: compute ``layer`` / ``phase`` / ``step``; comm ``kind`` / ``bytes`` (the ledger's payload
-bytes, [Note: communication ledger]) / ``group`` / ``sync`` / ``step``.
+bytes, [Note: communication ledger]) / ``group`` / ``sync`` / ``step`` / ``completed`` (False:
+still travelling when the traced step ended; drawn up to the trace's end).
 """
 
 import json
@@ -61,7 +62,8 @@ def chrome_trace(ranks: List[Dict[str, Any]], name: str) -> Dict[str, Any]:
             events.append(dict(ph="X", cat="comm", name=c["kind"], pid=pid, tid=tid,
                                ts=us(c["begin"]), dur=(c["end"] - c["begin"]) / 1e3,
                                args=dict(kind=c["kind"], bytes=c["bytes"], group=c["lane"],
-                                         sync=c["sync"], step=c["step"])))  # fmt: skip
+                                         sync=c["sync"], step=c["step"],
+                                         completed=c["completed"])))  # fmt: skip
         for lane, tid in tids.items():
             events.append(dict(ph="M", name="thread_name", pid=pid, tid=tid, args=dict(name=lane)))
             events.append(dict(ph="M", name="thread_sort_index", pid=pid, tid=tid,

@@ -8,6 +8,7 @@ examples' ``--trace DIR``), which gathers every rank's events on rank 0 and writ
 
 import contextlib
 import os
+import sys
 from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence
 
 import torch
@@ -62,12 +63,15 @@ def trace_step(
     layers = attach_layer_hooks(recorder, inner)  # named as in the plain model
     handles = attach_phase_hooks(recorder, optimizer, states)
     recorder.sample_states(states())
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(2e-4)  # completion marks get the GIL soon ([Note: trace recorder])
     _recorder.ACTIVE = recorder
     try:
         with saved_tensor_hooks(recorder):
             yield recorder
     finally:
         _recorder.ACTIVE = None
+        sys.setswitchinterval(interval)
         for layer in layers:
             layer.remove()
         for handle in handles:
