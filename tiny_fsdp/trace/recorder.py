@@ -15,18 +15,20 @@ tracing is off. While it is set, the ``Recorder`` keeps, for this rank:
   issues it; ``end`` when it completes. A synchronous call has completed when it returns. An
   asynchronous one completes when the process group finishes it, not when the caller happens to
   wait, so the picture shows communication overlapping compute exactly as much as it does. On
-  CPU a short-lived thread of ours blocks in ``work.wait()`` (the GIL released) and marks the end
-  when it returns. Not ``work.get_future()`` callbacks there: a Python callback runs on gloo's
-  worker thread, which must then take the GIL (up to the 5 ms switch interval while the model's
-  Python code holds it) before it can start the next collective, slowing the traced step itself.
-  While a step is traced the switch interval is lowered to 0.2 ms, so a finished collective's
-  waiter gets the GIL soon. On CUDA, ``work.get_future()``'s callback records an event: it runs
-  with a current stream that waits for the collective, so the event marks its completion on the
-  device. The lane names the process group (and the CUDA stream it was issued on).
+  CPU one thread of ours (per traced step) blocks in ``work.wait()``, the GIL released, for each
+  collective in issue order and marks its end when it returns; one that finishes before an
+  earlier one is marked when the earlier one finishes (a process group mostly runs them in
+  order). Not ``work.get_future()`` callbacks: a Python callback runs on gloo's worker thread,
+  which must then take the GIL (up to the 5 ms switch interval while the model's Python code
+  holds it) before it can start the next collective, which slows the traced step itself. While
+  a step is traced the switch interval is 0.2 ms, so the waiter gets the GIL soon. On CUDA,
+  ``work.get_future()``'s callback records an event: it runs with a current stream that waits
+  for the collective, so the event marks its completion on the device. The lane names the
+  process group (and the CUDA stream it was issued on).
 - memory samples at every compute boundary: saved-activation bytes, the strategy's transient
   buffers (``transient``: a callable, gathered parameters and reductions in flight) and the
   allocator's count; plus the memory ledger's params / grads / optimizer / buffers, which only
-  change between phases and are sampled there (``sample_states``: a ledger walk costs ~1 ms).
+  change between phases and are sampled there (``sample_states``: a ledger walk costs 1-5 ms).
 
 Timestamps are ``Clock`` marks: on CPU ``perf_counter_ns`` (one monotonic clock for every
 process of the machine, so ranks line up); on CUDA events on the current stream, turned into
@@ -34,6 +36,7 @@ nanoseconds of the host clock by ``finish`` (one ``synchronize``), so a CUDA tim
 device's, not the launch times.
 """
 
+import queue
 import threading
 import time
 from dataclasses import dataclass, field
@@ -46,19 +49,34 @@ ACTIVE: Optional["Recorder"] = None  # [Note: trace recorder]
 Mark = Any  # int nanoseconds (CPU) or a torch.cuda.Event (CUDA)
 
 
-def _when_done(work: Any, callback: Callable[[], None], device_type: str) -> None:
-    """Call ``callback`` when ``work`` completes ([Note: trace recorder])."""
-    if device_type == "cuda":
-        work.get_future().add_done_callback(lambda _: callback())
-        return
+class _Waiter:
+    """A thread of ours that waits for CPU works in issue order and marks each end
+    ([Note: trace recorder]). One per traced step: starting a thread per collective costs
+    milliseconds on a loaded machine (``Thread.start`` waits for the new thread to run)."""
 
-    def wait() -> None:
-        try:
-            work.wait()
-        finally:
+    def __init__(self) -> None:
+        self.queue: "queue.SimpleQueue[Optional[tuple]]" = queue.SimpleQueue()
+        self.thread = threading.Thread(target=self._run, name="trace-waiter", daemon=True)
+        self.thread.start()
+
+    def _run(self) -> None:
+        while True:
+            item = self.queue.get()
+            if item is None:
+                return
+            work, callback = item
+            try:
+                work.wait()
+            except Exception:  # the caller's own wait reports the failure
+                pass
             callback()
 
-    threading.Thread(target=wait, daemon=True).start()
+    def add(self, work: Any, callback: Callable[[], None]) -> None:
+        self.queue.put((work, callback))
+
+    def close(self) -> None:
+        self.queue.put(None)
+        self.thread.join()
 
 
 class Clock:
@@ -135,7 +153,8 @@ class Recorder:
         self.samples: List[dict] = []  # memory samples
         self.activation_bytes = 0
         self._saved: Dict[int, List[int]] = {}  # storage address -> [references, bytes]
-        self._stack: List[_Span] = []  # open compute spans of ``thread``, innermost last
+        self._stack: List[_Span] = []  # open compute spans, innermost last
+        self._waiter = None if self.device.type == "cuda" else _Waiter()
 
     # ---------------------------------------------------------------- compute
     def begin(self, name: str, phase: str) -> _Span:
@@ -185,7 +204,11 @@ class Recorder:
         self.comms.append(event)
         result = call()
         if async_op and result is not None:
-            _when_done(result, lambda: event.update(end=self.clock.mark()), self.device.type)
+            done = lambda: event.update(end=self.clock.mark())  # noqa: E731
+            if self._waiter is None:  # CUDA: see [Note: trace recorder]
+                result.get_future().add_done_callback(lambda _: done())
+            else:
+                self._waiter.add(result, done)
         else:
             event["end"] = self.clock.mark()
         if on_thread and self._stack[-1].begin is None:
@@ -231,7 +254,10 @@ class Recorder:
     # ---------------------------------------------------------------- result
     def records(self, rank: int) -> Dict[str, Any]:
         """Everything recorded, marks turned into host nanoseconds: picklable, for rank 0."""
-        deadline = time.monotonic() + 5.0  # a completion callback may trail the wait by a hair
+        if self._waiter is not None:  # it has waited for every collective issued
+            self._waiter.close()
+            self._waiter = None
+        deadline = time.monotonic() + 5.0  # a CUDA callback may trail the wait by a hair
         while any(c["end"] is None for c in self.comms) and time.monotonic() < deadline:
             time.sleep(0.001)
         now = self.clock.mark()
