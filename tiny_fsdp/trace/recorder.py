@@ -196,22 +196,24 @@ class Recorder:
         self, kind: str, nbytes: int, lane: str, async_op: bool, call: Callable[[], Any]
     ) -> Any:
         """Run ``call`` (the collective) and record it from issue to completion."""
-        on_thread = bool(self._stack)  # model code runs on one thread at a time
+        in_span = bool(self._stack)  # issued from inside a compute span: cut it meanwhile
         event = dict(kind=kind, bytes=nbytes, lane=lane, step=self.step, sync=not async_op,
                      begin=self.clock.mark(), end=None)  # fmt: skip
-        if on_thread:
+        if in_span:
             self._cut(self._stack[-1], event["begin"])
         self.comms.append(event)
         result = call()
-        if async_op and result is not None:
-            done = lambda: event.update(end=self.clock.mark())  # noqa: E731
-            if self._waiter is None:  # CUDA: see [Note: trace recorder]
-                result.get_future().add_done_callback(lambda _: done())
-            else:
-                self._waiter.add(result, done)
-        else:
+
+        def done() -> None:
             event["end"] = self.clock.mark()
-        if on_thread and self._stack[-1].begin is None:
+
+        if not async_op or result is None:
+            done()
+        elif self._waiter is None:  # CUDA: see [Note: trace recorder]
+            result.get_future().add_done_callback(lambda _: done())
+        else:
+            self._waiter.add(result, done)
+        if in_span and self._stack[-1].begin is None:
             self._stack[-1].begin = self.clock.mark()
         return result
 
