@@ -3,6 +3,7 @@
     torchrun --standalone --nproc_per_node=2 example/benchmark.py --model gpt2_mini --steps 20
     torchrun --standalone --nproc_per_node=2 example/benchmark.py --strategies fsdp,zero3 --compare
     torchrun --standalone --nproc_per_node=2 example/benchmark.py --strategies fsdp
+    torchrun --standalone --nproc_per_node=2 example/benchmark.py --steps 3 --trace out/trace
     torchrun --standalone --nproc_per_node=2 example/benchmark.py --model hf:gpt2 \
         --strategies fsdp,fsdp_wrapped --compare --data random
 
@@ -14,7 +15,9 @@ is a GPT-2 preset or a ``transformers`` model (``hf:gpt2``, ``hf:llama``: ``exam
 the opt-in ``fsdp_wrapped`` is our FSDP with a wrapper registered for HF GPT-2's ``Conv1D``
 (``example/bench/hf_wrappers.py``) where ``fsdp`` takes the generic path: the last command
 measures the generic path against FSDP2 and against the wrapper. Writes
-``results.md``, ``results.json`` and PNG plots to ``--out`` (default ``out/benchmark``). The
+``results.md``, ``results.json`` and PNG plots to ``--out`` (default ``out/benchmark``); with
+``--trace DIR`` also per-rank timelines of our strategies' last timed step (``tiny_fsdp/trace``):
+``DIR/<strategy>.trace.json`` (Perfetto), ``DIR/<strategy>.png`` and ``DIR/strategies.png``. The
 parts live in ``example/bench/``.
 
 [Note: benchmark method]
@@ -99,6 +102,13 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     p.add_argument("--threads", type=int, default=1, help="torch threads per rank")
     p.add_argument("--device", default=None, help="cuda if present, else cpu")
     p.add_argument("--out", default="out/benchmark")
+    p.add_argument(
+        "--trace",
+        default=None,
+        metavar="DIR",
+        help="timelines of our strategies' last timed step: DIR/<strategy>.trace.json (Perfetto), "
+        "DIR/<strategy>.png and DIR/strategies.png (all side by side)",
+    )
     args = p.parse_args(argv)
     args.async_comm = "off" if args.sync_comm else "on"  # every strategy, ours: explicit
     args.strategies = [s for s in args.strategies.split(",") if s]
@@ -132,7 +142,8 @@ def main(argv: Optional[List[str]] = None) -> None:
         torch.manual_seed(args.seed)  # same weights for every strategy
         return spec.make()
 
-    results, loads = run_phases(args, env, batches, make_model)
+    traces: dict = {}
+    results, loads = run_phases(args, env, batches, make_model, traces)
     if env.is_master:
         tokens = args.batch_size * args.seq_len * env.world_size
         with torch.device("meta"):
@@ -154,6 +165,11 @@ def main(argv: Optional[List[str]] = None) -> None:
         paths = plot(rows, args.out)
         print(f"{header}\n\n{table}\n\nwritten: {args.out}/results.md, results.json, "
               + ", ".join(os.path.basename(p) for p in paths))  # fmt: skip
+        if traces:
+            print(f"timelines written: {args.trace}/<strategy>.trace.json and .png")
+            from tiny_fsdp.trace.plot import plot_strategies  # matplotlib: already needed above
+
+            print(plot_strategies(traces, os.path.join(args.trace, "strategies.png")))
     dist.destroy_process_group()
 
 

@@ -37,6 +37,7 @@ from tiny_fsdp.core.utils.failure import (
     nonfinite_ranks,
 )
 from tiny_fsdp.models.hf_gpt2 import hf_gpt2_to_ours, read_hf_state_dict
+from tiny_fsdp.trace.session import StepTracer, parse_steps
 
 
 def build_arg_parser(strategy: str) -> argparse.ArgumentParser:
@@ -102,6 +103,16 @@ def build_arg_parser(strategy: str) -> argparse.ArgumentParser:
         help="resume from PATH; bare --resume: from --save_dir if it holds a checkpoint",
     )
     p.add_argument("--sharded_ckpt", action="store_true", help="each rank saves its own shard")
+    p.add_argument(
+        "--trace",
+        default=None,
+        metavar="DIR",
+        help="write per-rank timelines of the traced steps: DIR/<strategy>.trace.json (Chrome "
+        "trace, open in https://ui.perfetto.dev) and DIR/<strategy>.png",
+    )
+    p.add_argument(
+        "--trace_steps", default="last", help="steps to trace: 'last' or indices, e.g. 3,4"
+    )
     if strategy == "zero3":
         p.add_argument("--evenness_priority", type=float, default=0.0)
     if strategy == "fsdp":
@@ -202,7 +213,10 @@ def main(strategy: str, argv: Optional[List[str]] = None) -> List[float]:
     losses: List[float] = []
     show_bar = master and sys.stdout.isatty() and sys.stderr.isatty()
     bar = tqdm(range(start, args.steps), disable=not show_bar, file=sys.stderr, dynamic_ncols=True)
+    traced = parse_steps(args.trace_steps, args.steps)
+    tracer = StepTracer(args.trace, strategy, traced, model, optimizer, env.rank)
     for step in bar:
+        tracer.start(step)  # before the timing, as stop() after it: only recording is timed
         t0 = time.perf_counter()
         for group in optimizer.param_groups:
             group["lr"] = lr_at(step, args)
@@ -240,6 +254,7 @@ def main(strategy: str, argv: Optional[List[str]] = None) -> List[float]:
         if env.device.type == "cuda":
             torch.cuda.synchronize(env.device)
         ms = (time.perf_counter() - t0) * 1e3
+        tracer.stop()
         losses.append(mean_over_ranks(step_loss, env))
         if master and (step % args.log_every == 0 or step == args.steps - 1 or nonfinite):
             mem = peak_memory_bytes(env.device) / 2**30
@@ -255,6 +270,9 @@ def main(strategy: str, argv: Optional[List[str]] = None) -> List[float]:
             val = evaluate(model, batches, args, env, step)
             if master:
                 tqdm.write(f"step {step:5d} | val loss {val:.4f}", file=sys.stdout)
+    written = tracer.finish()  # every rank: rank 0 gathers the events and writes the files
+    if written:
+        print("trace written: " + ", ".join(written))
     if env.world_size > 1 and dist.is_initialized() and "RANK" in os.environ:
         dist.destroy_process_group()
     return losses

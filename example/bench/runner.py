@@ -6,7 +6,7 @@ import gc
 import os
 import sys
 import time
-from typing import Any, Callable, Dict, List, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
@@ -31,6 +31,8 @@ from tiny_fsdp.core.memory import (
     rss_bytes,
 )
 from tiny_fsdp.core.utils.dist import DistEnv
+from tiny_fsdp.trace.chrome import chrome_trace
+from tiny_fsdp.trace.session import gather_records, trace_step, write_trace
 
 # Counterparts share a phase: they live in the same processes and take turns step by step.
 PHASES = [
@@ -95,6 +97,10 @@ class Runner:
         self.losses: List[float] = []
         self.comm: Dict[str, Any] = {}
         self.memory: Dict[str, Any] = {}
+        # --trace: our strategies' last timed step ([Note: trace recorder]); records per rank.
+        traced = getattr(args, "trace", None) and name in OURS
+        self.trace_index = args.warmup + args.steps - 1 if traced else None
+        self.trace_records: Dict[str, Any] = dict(rank=env.rank, spans=[], comms=[], samples=[])
         base_rss = None
         if env.device.type == "cpu":
             gc.collect()  # then freed heap goes back to the OS and the peak RSS restarts
@@ -134,7 +140,10 @@ class Runner:
         LEDGER.reset()
         dist.barrier()
         start = time.perf_counter()
-        if probe:
+        if index == self.trace_index and self.active:
+            with trace_step(self.model, self.optimizer, step=index) as recorder:
+                run()
+        elif probe:
             torch_counts: Dict[str, List[int]] = {}
             with counting_torch_collectives(torch_counts):
                 self.memory["step_growth"] = peak_growth(env.device, run)
@@ -153,6 +162,8 @@ class Runner:
         dist.all_reduce(loss_sum)  # single device: only rank 0's is non-zero
         if timed:
             self.times.append(elapsed.item())
+        if index == self.trace_index and self.active:
+            self.trace_records = recorder.records(rank)
         self.losses.append(loss_sum.item() / (1 if single else world))
 
     def result(self) -> Dict[str, Any]:
@@ -178,10 +189,15 @@ def warm_up_libraries(env: DistEnv) -> None:
 
 
 def run_phases(
-    args: argparse.Namespace, env: DistEnv, batches: TokenBatches, make_model: Callable
+    args: argparse.Namespace,
+    env: DistEnv,
+    batches: TokenBatches,
+    make_model: Callable,
+    traces: Optional[Dict[str, Any]] = None,
 ) -> Tuple[Dict[str, List[dict]], List[float]]:
     """Results per strategy (``[rank 0's, rank 1's, ...]``) ([Note: benchmark method]), and the
-    1-minute load average of the machine at every round."""
+    1-minute load average of the machine at every round. With ``--trace DIR`` rank 0 writes
+    each traced strategy's files there and puts its Chrome trace in ``traces``."""
     from tqdm import tqdm
 
     warm_up_libraries(env)
@@ -211,6 +227,12 @@ def run_phases(
             gathered: List[Any] = [None] * env.world_size
             dist.all_gather_object(gathered, runner.result())
             results[runner.name] = gathered
+            if runner.trace_index is not None:
+                ranks = gather_records(runner.trace_records)
+                if ranks is not None:
+                    write_trace(ranks, args.trace, runner.name)
+                    if traces is not None:
+                        traces[runner.name] = chrome_trace(ranks, runner.name)
         del runners
         gc.collect()
     bar.close()

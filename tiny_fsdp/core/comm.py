@@ -16,12 +16,15 @@ totals above count every collective, labelled or not. A label names the role, no
 group: one group can play both roles (a 1 x N mesh's shard group is the default group).
 """
 
+import functools
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import Dict, List, Optional
+from typing import Any, Callable, Dict, List, Optional
 
 import torch
 import torch.distributed as dist
+
+from tiny_fsdp.trace import recorder as _trace
 
 # torch >= 2.13 renames the *_into_tensor / *_tensor collectives; use whichever exists.
 _all_gather_tensor = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -73,6 +76,30 @@ class CommLedger:
 LEDGER = CommLedger()
 
 
+def _issue(
+    kind: str,
+    payload: torch.Tensor,
+    fn: Callable,
+    *args: Any,
+    group: Any,
+    async_op: bool,
+    label: Optional[str] = None,
+    **kw: Any,
+) -> Any:
+    """``fn(*args, group=group, async_op=async_op, **kw)``: the collective, counted in the ledger
+    (under ``label`` too, if given) and, while a step is traced, recorded from issue to
+    completion ([Note: trace recorder], ``tiny_fsdp/trace/recorder.py``)."""
+    LEDGER.record(kind, payload, label)
+    rec = _trace.ACTIVE
+    if rec is None:
+        return fn(*args, group=group, async_op=async_op, **kw)
+    call = functools.partial(fn, *args, group=group, async_op=async_op, **kw)
+    lane = "default" if group is None else str(getattr(group, "group_name", id(group)))
+    if payload.is_cuda:
+        lane += f" stream {torch.cuda.current_stream(payload.device).stream_id}"
+    return rec.collective(kind, payload.numel() * payload.element_size(), lane, async_op, call)
+
+
 def all_reduce(
     tensor: torch.Tensor,
     op: dist.ReduceOp = dist.ReduceOp.SUM,
@@ -80,8 +107,16 @@ def all_reduce(
     async_op: bool = False,
     label: Optional[str] = None,
 ) -> Optional[dist.Work]:
-    LEDGER.record("all_reduce", tensor, label)
-    return dist.all_reduce(tensor, op=op, group=group, async_op=async_op)
+    return _issue(
+        "all_reduce",
+        tensor,
+        dist.all_reduce,
+        tensor,
+        op=op,
+        group=group,
+        async_op=async_op,
+        label=label,
+    )
 
 
 def all_gather(
@@ -92,8 +127,16 @@ def all_gather(
     label: Optional[str] = None,
 ) -> Optional[dist.Work]:
     """``output`` (N * k,) <- the ``input`` (k,) of every rank, in rank order."""
-    LEDGER.record("all_gather", output, label)
-    return _all_gather_tensor(output, input, group=group, async_op=async_op)
+    return _issue(
+        "all_gather",
+        output,
+        _all_gather_tensor,
+        output,
+        input,
+        group=group,
+        async_op=async_op,
+        label=label,
+    )
 
 
 def reduce_scatter(
@@ -105,8 +148,17 @@ def reduce_scatter(
     label: Optional[str] = None,
 ) -> Optional[dist.Work]:
     """``output`` (k,) <- rank r's chunk of the reduction of every rank's ``input`` (N * k,)."""
-    LEDGER.record("reduce_scatter", input, label)
-    return _reduce_scatter_tensor(output, input, op=op, group=group, async_op=async_op)
+    return _issue(
+        "reduce_scatter",
+        input,
+        _reduce_scatter_tensor,
+        output,
+        input,
+        op=op,
+        group=group,
+        async_op=async_op,
+        label=label,
+    )
 
 
 def broadcast(
@@ -116,8 +168,16 @@ def broadcast(
     async_op: bool = False,
     label: Optional[str] = None,
 ) -> Optional[dist.Work]:
-    LEDGER.record("broadcast", tensor, label)
-    return dist.broadcast(tensor, src=src, group=group, async_op=async_op)
+    return _issue(
+        "broadcast",
+        tensor,
+        dist.broadcast,
+        tensor,
+        src=src,
+        group=group,
+        async_op=async_op,
+        label=label,
+    )
 
 
 def reduce(
@@ -128,12 +188,28 @@ def reduce(
     async_op: bool = False,
     label: Optional[str] = None,
 ) -> Optional[dist.Work]:
-    LEDGER.record("reduce", tensor, label)
-    return dist.reduce(tensor, dst=dst, op=op, group=group, async_op=async_op)
+    return _issue(
+        "reduce",
+        tensor,
+        dist.reduce,
+        tensor,
+        dst=dst,
+        op=op,
+        group=group,
+        async_op=async_op,
+        label=label,
+    )
 
 
 def all_gather_object(obj: object, group: Optional[dist.ProcessGroup] = None) -> List[object]:
     """Every rank's ``obj`` in rank order (metadata only; not counted in the ledger)."""
     out: List[object] = [None] * dist.get_world_size(group)
     dist.all_gather_object(out, obj, group=group)
+    return out
+
+
+def gather_object(obj: object, dst: int = 0) -> Optional[List[object]]:
+    """Every rank's ``obj`` in rank order on ``dst``, None elsewhere (not counted)."""
+    out: Optional[List[object]] = [None] * dist.get_world_size() if dist.get_rank() == dst else None
+    dist.gather_object(obj, out, dst=dst)
     return out

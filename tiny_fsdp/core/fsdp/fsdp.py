@@ -138,6 +138,14 @@ class FSDP(FetchingWrapper):
         return self._state.groups
 
     # ---------------------------------------------------------------- memory
+    def transient_bytes(self) -> Dict[str, int]:
+        """Bytes of gathered units and of reductions in flight now: two counters, no walk (read
+        at every compute boundary of a traced step, ``tiny_fsdp/trace``)."""
+        return {
+            "gathered": self._state.gathered_bytes,
+            "reductions": self._state.reductions.stats.live_bytes,
+        }
+
     def memory_stats(self) -> Dict[str, int]:
         """Bytes this rank holds: shards, gathered units, no_sync accumulation buffers and
         reduction buffers in flight ([Note: asynchronous reduction])."""

@@ -27,6 +27,7 @@ import torch
 from torch import nn
 
 from tiny_fsdp.core.module.handler import LOCAL_HANDLER, ParamHandler, TrainingPhase
+from tiny_fsdp.trace import recorder as _trace
 
 
 class CallbackFunction(torch.autograd.Function):
@@ -39,9 +40,13 @@ class CallbackFunction(torch.autograd.Function):
         ctx.module = module
         ctx.param_needs_grad = tuple(p is not None and p.requires_grad for p in local_params)
         ctx.params = handler.fetch(module, TrainingPhase.FORWARD)
+        rec = _trace.ACTIVE  # a traced step records the layer math alone ([Note: trace hooks])
+        span = None if rec is None else rec.begin_layer(module, "forward")
         try:
             out = module.forward_callback(ctx, *args[:n_inputs])
         finally:
+            if span is not None:
+                rec.end(span)
             del ctx.params
             handler.release(module, TrainingPhase.FORWARD)
         return out
@@ -51,9 +56,13 @@ class CallbackFunction(torch.autograd.Function):
         module = ctx.module
         handler = module.param_handler
         ctx.params = handler.fetch(module, TrainingPhase.BACKWARD)
+        rec = _trace.ACTIVE
+        span = None if rec is None else rec.begin_layer(module, "backward")
         try:
             grad_inputs, grad_params = module.backward_callback(ctx, grad_output)
         finally:
+            if span is not None:
+                rec.end(span)
             del ctx.params
             handler.release(module, TrainingPhase.BACKWARD)
         local_grads = handler.reduce_grads(module, tuple(grad_params))

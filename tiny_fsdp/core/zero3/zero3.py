@@ -110,6 +110,12 @@ class Zero3(FetchingWrapper):
         self._runtime.use_streams(streams.streams_for(self.device))
         self.build_units(self._runtime, unit, BroadcastUnit, ReduceToOwnerGrads)
 
+    def transient_bytes(self) -> Dict[str, int]:
+        """Bytes of fetched (non-owned) parameter buffers and of reductions in flight now (read
+        at every compute boundary of a traced step, ``tiny_fsdp/trace``)."""
+        rt = self._runtime
+        return {"gathered": rt.stats.live_bytes, "reductions": rt.reductions.stats.live_bytes}
+
     @property
     def fetch_stats(self) -> FetchStats:
         """Bytes of fetched, non-owned parameter buffers on this rank (live and peak)."""
