@@ -24,11 +24,33 @@ from typing import Any, Callable, Dict, List, Optional
 import torch
 import torch.distributed as dist
 
+from tiny_fsdp.core import gloo_collectives
 from tiny_fsdp.trace import recorder as _trace
 
 # torch >= 2.13 renames the *_into_tensor / *_tensor collectives; use whichever exists.
-_all_gather_tensor = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-_reduce_scatter_tensor = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+_torch_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_torch_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
+def _all_gather_tensor(
+    output: torch.Tensor, input: torch.Tensor, group: Any = None, async_op: bool = False
+) -> Any:
+    if gloo_collectives.uses_gloo(output, group):  # [Note: collectives on gloo]
+        return gloo_collectives.all_gather(output, input, group, async_op)
+    return _torch_all_gather(output, input, group=group, async_op=async_op)
+
+
+def _reduce_scatter_tensor(
+    output: torch.Tensor,
+    input: torch.Tensor,
+    op: dist.ReduceOp = dist.ReduceOp.SUM,
+    group: Any = None,
+    async_op: bool = False,
+) -> Any:
+    if gloo_collectives.uses_gloo(input, group):  # [Note: collectives on gloo]
+        return gloo_collectives.reduce_scatter(output, input, op, group, async_op)
+    return _torch_reduce_scatter(output, input, op=op, group=group, async_op=async_op)
+
 
 _RING_FACTOR = {"all_reduce": 2.0}  # every other kind: 1.0
 
@@ -126,7 +148,8 @@ def all_gather(
     async_op: bool = False,
     label: Optional[str] = None,
 ) -> Optional[dist.Work]:
-    """``output`` (N * k,) <- the ``input`` (k,) of every rank, in rank order."""
+    """``output`` (N * k,) <- the ``input`` (k,) of every rank, in rank order ([Note:
+    collectives on gloo])."""
     return _issue(
         "all_gather",
         output,
@@ -147,7 +170,8 @@ def reduce_scatter(
     async_op: bool = False,
     label: Optional[str] = None,
 ) -> Optional[dist.Work]:
-    """``output`` (k,) <- rank r's chunk of the reduction of every rank's ``input`` (N * k,)."""
+    """``output`` (k,) <- rank r's chunk of the reduction of every rank's ``input`` (N * k,);
+    on gloo ``input`` is scratch afterwards ([Note: collectives on gloo])."""
     return _issue(
         "reduce_scatter",
         input,
