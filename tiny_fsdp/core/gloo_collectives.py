@@ -23,6 +23,7 @@ asynchronous reductions, [Note: asynchronous reduction], and the streams' ``wait
 other backends use their own all-gather and reduce-scatter.
 """
 
+import threading
 from typing import Any, List, Optional
 
 import torch
@@ -35,6 +36,7 @@ class GlooWorks:
     def __init__(self, works: List[Any], copy: Optional[tuple] = None) -> None:
         self.works = works
         self._copy = copy  # (destination, source) once every work is done
+        self._lock = threading.Lock()  # a traced step's waiter thread may wait too
 
     def is_completed(self) -> bool:
         return all(work.is_completed() for work in self.works)
@@ -42,10 +44,11 @@ class GlooWorks:
     def wait(self) -> bool:
         for work in self.works:
             work.wait()
-        if self._copy is not None:
-            destination, source = self._copy
-            destination.copy_(source)
-            self._copy = None
+        with self._lock:
+            if self._copy is not None:
+                destination, source = self._copy
+                destination.copy_(source)
+                self._copy = None
         return True
 
 

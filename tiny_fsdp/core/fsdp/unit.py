@@ -27,10 +27,11 @@ step instead of three and two times. Its price is memory: the root unit (the emb
 gathered for the whole step, as in FSDP2, and a block is gathered at once instead of a layer.
 Hence ``"auto"`` is the default: it finds the blocks itself, so the fast layout needs no
 knowledge of the model from the user; ``"layer"`` gathers the least at a time (less memory).
-With the defaults (``"auto"``, asynchronous reductions), ``torchrun --nproc_per_node=2
-example/benchmark.py --model gpt2_mini --batch_size 4 --seq_len 256 --steps 15`` measured FSDP
-at 0.95 x FSDP2's step time and ZeRO-3 at 1.03 x (median of per-round ratios), on a machine
-whose load average was 7-13 on 2 cores: per-step times spread by 2x, so these are rough.
+With the defaults (``"auto"``, one reduce-scatter per unit, asynchronous reductions, gloo
+collectives as broadcasts / reduces), ``torchrun --nproc_per_node=2 example/benchmark.py --model
+gpt2_mini --batch_size 4 --seq_len 256 --one_phase --steps 12`` measured FSDP at 0.94 x FSDP2's
+step time and 1.05 x our DDP's, ZeRO-3 at 0.90 x FSDP2 (median of per-round ratios, load average
+2.0-2.3 on 2 cores; the README's benchmark table).
 """
 
 from typing import Any, Dict, List, Sequence, Tuple
