@@ -122,7 +122,8 @@ def _memory_bound(rank: int, world_size: int) -> None:
                 # part; with .grad None before the backward they ARE the gradients (ledger).
                 grads = memory_ledger(model).grads
                 outputs = grads if strategy == "fsdp" else _zero3_parts_bytes(model)
-                bound = limit * stats.largest_input_bytes + outputs
+                # In flight: at most `limit` inputs, plus the unit sum being filled.
+                bound = (limit + 1) * stats.largest_input_bytes + outputs
                 assert stats.live_bytes == 0, (strategy, async_on)
                 assert 0 < stats.peak_bytes <= bound, (strategy, async_on, stats, bound)
                 assert stats.peak_in_flight <= (limit if async_on else 1)

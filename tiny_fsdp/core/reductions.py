@@ -25,9 +25,11 @@ parameters do not fire, and ``torch.autograd.grad(..., inputs=params)`` returns 
 Memory bound. A reduction holds its *input* (the padded full gradients it reduces) until it is
 retired, and its *output* (this rank's part) until ``finalize`` delivers it. At most
 ``in_flight_limit`` reductions are unretired: launching one more first retires the oldest
-(waiting for it), and each launch retires, without waiting, those already done. So at any time
+(waiting for it), and each launch retires, without waiting, those already done. The unit whose
+gradients are being summed ([Note: unit reduction]) holds the next input, counted from its
+allocation. So at any time
 
-    reduce_bytes <= in_flight_limit * (largest reduction input)
+    reduce_bytes <= (in_flight_limit + 1) * (largest reduction input)
                     + outputs launched in this backward (<= the local gradients, reduce dtype)
 
 and ``peak_reduce_bytes`` counts it (``FSDP.memory_stats()``, ``Zero3.reduce_stats``).
@@ -36,8 +38,7 @@ group never idles for want of work, and waiting for the oldest stalls the backwa
 communication is the bottleneck anyway. The
 outputs are not extra memory when ``.grad`` is None (the output becomes ``.grad``, no copy), as
 before; when gradients accumulate onto an existing ``.grad`` they live until ``finalize`` instead
-of being added at once. Synchronous reduction (the old path) kept one input at a time, so the
-rise is at most ``in_flight_limit - 1`` inputs plus, when accumulating, the outputs.
+of being added at once. A synchronous reduction keeps one input being filled and one travelling.
 
 Two-stage reductions (HSDP: a reduce-scatter in the shard group, then an all-reduce of its
 output across the replicas, [Note: hybrid sharding]): ``launch(..., then=second)``. The second
