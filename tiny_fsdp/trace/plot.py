@@ -12,13 +12,7 @@ import sys
 from collections import defaultdict
 from typing import Any, Dict, List, Tuple
 
-import matplotlib
-
-matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
-from matplotlib.patches import Patch  # noqa: E402
-
-from tiny_fsdp.trace.chrome import STACK  # noqa: E402
+from tiny_fsdp.trace.chrome import STACK
 
 PHASE_COLORS = {"forward": "tab:blue", "forward (recompute)": "lightskyblue",
                 "backward": "tab:orange", "optimizer": "tab:green"}  # fmt: skip
@@ -73,10 +67,23 @@ def _memory(events: List[dict], offset: float = 0.0) -> Dict[int, Tuple[List[flo
 def _legend(ax: Any, events: List[dict]) -> None:
     phases = {e["args"]["phase"] for e in events if e.get("cat") == "compute"}
     kinds = {e["args"]["kind"] for e in events if e.get("cat") == "comm"}
+    from matplotlib.patches import Patch
+
     handles = [Patch(color=c, label=p) for p, c in PHASE_COLORS.items() if p in phases]
     handles += [Patch(color=c, label=k) for k, c in COMM_COLORS.items() if k in kinds]
     ax.legend(handles=handles, fontsize=7, ncol=len(handles), loc="lower right",
               bbox_to_anchor=(1.0, 1.0), frameon=False)  # fmt: skip
+
+
+def _pyplot() -> Any:
+    """matplotlib's pyplot on the file backend, imported when a figure is drawn: matplotlib is
+    optional (a dev extra); without it the traces are written as JSON only."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
 
 
 def plot_timeline(trace: Dict[str, Any], path: str, title: str = "") -> str:
@@ -85,6 +92,7 @@ def plot_timeline(trace: Dict[str, Any], path: str, title: str = "") -> str:
     memory = _memory(events)
     n_lanes = len(_lanes(events)[0])
     ratios = [max(n_lanes, 2) * 0.35] + [1.6] * len(memory)
+    plt = _pyplot()
     fig, axes = plt.subplots(len(ratios), 1, figsize=(12, sum(ratios) + 1.2), sharex=True,
                              gridspec_kw=dict(height_ratios=ratios), squeeze=False)  # fmt: skip
     axes = axes[:, 0]
@@ -116,6 +124,7 @@ def plot_strategies(traces: Dict[str, Dict[str, Any]], path: str) -> str:
     heights = [max(len(_lanes(traces[n]["traceEvents"])[0]), 2) * 0.3 for n in names]
     ratios = [h for h in heights for _ in (0, 1)]
     ratios[1::2] = [1.0] * len(names)
+    plt = _pyplot()
     fig, axes = plt.subplots(len(ratios), 1, figsize=(12, sum(ratios) + 1.2), sharex=True,
                              gridspec_kw=dict(height_ratios=ratios), squeeze=False)  # fmt: skip
     axes = axes[:, 0]

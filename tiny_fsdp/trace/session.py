@@ -102,9 +102,11 @@ def write_trace(ranks: List[Dict[str, Any]], out_dir: str, name: str) -> List[st
     paths = [os.path.join(out_dir, f"{name}.trace.json")]
     write_json(trace, paths[0])
     try:
-        from tiny_fsdp.trace.plot import plot_timeline
-    except ImportError:  # matplotlib is a dev extra
+        import matplotlib  # noqa: F401  (a dev extra; tiny_fsdp.trace.plot imports it lazily)
+    except ImportError:
         return paths
+    from tiny_fsdp.trace.plot import plot_timeline
+
     paths.append(plot_timeline(trace, os.path.join(out_dir, f"{name}.png"), title=name))
     return paths
 
