@@ -11,14 +11,14 @@ and reduce-scatters inside it. Gradients are averaged over the whole world in tw
     g_shard = reduce_scatter_shard_group(g_full / world_size)   # (numel / shard_size,)
     g_shard = all_reduce_replicate_group(g_shard)                 # sum over the replicas
 
-both launched from the layer's backward and delivered at its end ([Note: asynchronous
-reduction]); the all-reduce may only start once the reduce-scatter it reads has finished (CUDA:
+both launched from the backward, once per unit ([Note: unit reduction]), and delivered at its
+end ([Note: asynchronous reduction]); the all-reduce may only start once the reduce-scatter it reads has finished (CUDA:
 same-stream order; gloo: a collective on another group runs on another thread, so it is issued
 when the first one is done, see ``PendingReductions``). So per step a rank moves what FSDP on
 ``shard_size`` ranks moves inside its node, plus one all-reduce of its ``1 / shard_size`` of the
 gradients across nodes, instead of every all-gather and reduce-scatter crossing the nodes.
 
-On gloo the all-reduce is thus issued up to one layer's backward late (by the next launch that
+On gloo the all-reduce is thus issued up to one unit's backward late (by the next launch that
 finds the reduce-scatter done); issuing it at once and waiting on the host would stall the
 backward instead. Per rank, memory is FSDP's on ``shard_size`` ranks (1 / shard_size of the
 parameters, gradients and optimizer state), and the ledger counts the shard group's collectives
@@ -27,7 +27,7 @@ step, for P padded parameter bytes, all-gathers of P (once or twice, as in FSDP)
 reduce-scatters of P inside the group, and all-reduces of P / shard_size across it. The edge
 layouts: 1 x N issues exactly plain FSDP's collectives (bitwise the same results, only labelled);
 N x 1 keeps whole tensors (gathers and reduce-scatters over one rank are copies) and all-reduces
-every gradient, as DDP does, per layer.
+every gradient, as DDP does, per unit.
 
 Each shard group holds the whole model once, so what "every element once" means is per shard
 group: a gradient norm sums the squares over the shard group only (the replicas hold the same
