@@ -13,10 +13,11 @@ and reduce-scatters inside it. Gradients are averaged over the whole world in tw
 
 both launched from the backward, once per unit ([Note: unit reduction]), and delivered at its
 end ([Note: asynchronous reduction]); the all-reduce may only start once the reduce-scatter it
-reads has finished (CUDA: same-stream order; gloo: a collective on another group runs on another thread, so it is issued
-when the first one is done, see ``PendingReductions``). So per step a rank moves what FSDP on
-``shard_size`` ranks moves inside its node, plus one all-reduce of its ``1 / shard_size`` of the
-gradients across nodes, instead of every all-gather and reduce-scatter crossing the nodes.
+reads has finished (CUDA: same-stream order; gloo: a collective on another group runs on
+another thread, so it is issued when the first one is done, see ``PendingReductions``). So
+per step a rank moves what FSDP on ``shard_size`` ranks moves inside its node, plus one
+all-reduce of its ``1 / shard_size`` of the gradients across nodes, instead of every
+all-gather and reduce-scatter crossing the nodes.
 
 On gloo the all-reduce is thus issued up to one unit's backward late (by the next launch that
 finds the reduce-scatter done); issuing it at once and waiting on the host would stall the
