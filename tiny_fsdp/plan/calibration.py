@@ -52,6 +52,7 @@ class Calibration:
     inter_node_bandwidth_bytes_per_s: Optional[float] = None
     ranks_per_node: Optional[int] = None
     wrapper_layer_s: Dict[str, float] = field(default_factory=dict)
+    wrapper_unit_s: Dict[str, float] = field(default_factory=dict)  # ZeRO-3 / FSDP, per unit
     overlap: float = 1.0
     comm_channels: int = 1
     collectives: Dict[str, Dict[int, Dict[str, float]]] = field(default_factory=dict)
@@ -80,6 +81,7 @@ class Calibration:
             ranks_per_node=link.get("ranks_per_node"),
             comm_channels=int(link.get("comm_channels", 2 if data.get("backend") == "gloo" else 1)),
             wrapper_layer_s={k: float(v) for k, v in compute.get("wrapper_layer_s", {}).items()},
+            wrapper_unit_s={k: float(v) for k, v in compute.get("wrapper_unit_s", {}).items()},
             overlap=float(compute.get("overlap", 1.0)),
             collectives=collectives,
             sources=dict(data.get("sources", {})),
@@ -95,6 +97,7 @@ class Calibration:
                 "layer_overhead_s": self.layer_overhead_s,
                 "activation_s_per_byte": self.activation_s_per_byte,
                 "wrapper_layer_s": self.wrapper_layer_s,
+                "wrapper_unit_s": self.wrapper_unit_s,
                 "overlap": self.overlap,
             },
             "link": {

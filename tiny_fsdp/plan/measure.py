@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from tiny_fsdp.plan.calibration import KINDS, Calibration
-from tiny_fsdp.plan.probe import WRAPPED, Probe, wrap_probe
+from tiny_fsdp.plan.probe import UNITS, WRAPPED, Probe, wrap_probe
 
 DEFAULT_SIZES = (2**12, 2**16, 2**20)  # payload bytes of the collectives timed
 DEFAULT_SHAPE = (2048, 1024, 4096)  # (rows, in, out) of the timed matrix product
@@ -52,8 +52,10 @@ class Calibrator:
     one AdamW step of 2^18 elements; a forward and backward of 8 tiny linear layers (the fixed
     cost of a layer); the same probe under each strategy with its default arguments (the
     wrapper's cost per layer beyond its collectives, whose ``alpha`` the ledger's counts
-    subtract); every collective kind at each of ``sizes`` payload bytes; an asynchronous
-    all-reduce issued before the matrix products and waited for after them (``overlap``).
+    subtract), and for ZeRO-3 and FSDP also with the same layers in half as many units, which
+    separates their cost per unit (an unshard, a summed reduction) from their cost per layer;
+    every collective kind at each of ``sizes`` payload bytes; an asynchronous all-reduce issued
+    before the matrix products and waited for after them (``overlap``).
     """
 
     def __init__(self, device: torch.device, shape=DEFAULT_SHAPE, sizes=DEFAULT_SIZES) -> None:
@@ -71,6 +73,8 @@ class Calibrator:
         self._param.grad = torch.ones_like(self._param)
         self._adamw = AdamW([self._param], lr=1e-3)
         self._probes = {name: wrap_probe(name, device) for name in ("plain",) + WRAPPED}
+        for name in UNITS:  # the same layers in half as many units: per-unit cost apart
+            self._probes[f"{name} x2"] = wrap_probe(name, device, per_block=2)
         self._probe_in = torch.randn(4, 8, device=device)
         self._samples: Dict[str, List[float]] = {}
         self._repeats: Dict[str, int] = {}  # runs per sustained sample (same on every rank)
@@ -128,8 +132,8 @@ class Calibrator:
         for name in self._probes:
             self._record(f"probe {name}", lambda: self._probe_step(name), True)
         plain = self._samples["probe plain"][-1]
-        for name in WRAPPED:  # paired with the plain probe of the same sample: less noise
-            extra = self._samples[f"probe {name}"][-1] - plain
+        for name in WRAPPED + tuple(f"{u} x2" for u in UNITS):  # paired with the plain probe
+            extra = self._samples[f"probe {name}"][-1] - plain  # of the same sample: less noise
             self._samples.setdefault(f"extra {name}", []).append(extra)
         # Overlap: an asynchronous all-reduce issued before the matrix products, waited after.
         busy = torch.zeros(max(1, self.sizes[-1] // 4), device=self.device)
@@ -167,11 +171,19 @@ class Calibrator:
         for kind in KINDS:
             points = [(float(k.split()[1]), v) for k, v in med.items() if k.split()[0] == kind]
             fits[kind] = _fit(points)
-        layers = len(Probe().blocks)
-        wrapper = {}
+        layers = Probe().layers
+
+        def beyond_alphas(name: str) -> float:  # a probe's extra time beyond its collectives
+            calls = self._calls[name].items()
+            return med[f"extra {name}"] - sum(c * fits[k]["alpha_s"] for k, c in calls if k in fits)
+
+        wrapper, per_unit = {}, {}
         for name in WRAPPED:
-            alphas = sum(c * fits[k]["alpha_s"] for k, c in self._calls[name].items() if k in fits)
-            wrapper[name] = max(0.0, (med[f"extra {name}"] - alphas) / layers)
+            wrapper[name] = max(0.0, beyond_alphas(name) / layers)
+        for name in UNITS:  # layers L, units L and L / 2: extra = L * layer + units * unit
+            unit = max(0.0, (beyond_alphas(name) - beyond_alphas(f"{name} x2")) / (layers / 2))
+            per_unit[name] = unit
+            wrapper[name] = max(0.0, (beyond_alphas(f"{name} x2") - unit * layers / 2) / layers)
         act_bytes = 2 * self._act.numel() * self._act.element_size()  # act and GELU's input
         compute = {
             "flops_per_s": 3 * 2 * rows * d_in * d_out / med["matmul"],
@@ -179,6 +191,7 @@ class Calibrator:
             "layer_overhead_s": med["probe plain"] / layers,
             "activation_s_per_byte": med["elementwise"] / act_bytes,
             "wrapper_layer_s": wrapper,
+            "wrapper_unit_s": per_unit,
             "overlap": _overlap(
                 self._repeats["matmul"] * med["matmul"], med["overlap comm"], med["overlap"]
             ),
@@ -291,6 +304,7 @@ def calibration_from(
         layer_overhead_s=compute["layer_overhead_s"],
         activation_s_per_byte=compute["activation_s_per_byte"],
         wrapper_layer_s=dict(compute.get("wrapper_layer_s", {})),
+        wrapper_unit_s=dict(compute.get("wrapper_unit_s", {})),
         comm_channels=2 if backend == "gloo" else 1,  # gloo's default worker threads
         overlap=compute.get("overlap", 1.0),
         latency_s=latency,

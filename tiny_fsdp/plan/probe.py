@@ -9,12 +9,23 @@ from torch import nn
 WRAPPED = ("ddp", "zero1", "zero2", "zero3", "fsdp")
 
 
-class Probe(nn.Module):
-    """``layers`` tiny linear blocks in a ``ModuleList``: FSDP's auto units are its blocks."""
+UNITS = ("zero3", "fsdp")  # strategies whose cost is also per unit: probed twice
 
-    def __init__(self, layers: int = 8, width: int = 8) -> None:
+
+class Probe(nn.Module):
+    """``layers`` tiny linear layers in ``layers / per_block`` blocks of a ``ModuleList``: the
+    auto units of FSDP and ZeRO-3 are its blocks."""
+
+    def __init__(self, layers: int = 8, width: int = 8, per_block: int = 1) -> None:
         super().__init__()
-        self.blocks = nn.ModuleList(nn.Linear(width, width) for _ in range(layers))
+        self.layers = layers
+
+        def block() -> nn.Module:
+            if per_block == 1:
+                return nn.Linear(width, width)
+            return nn.Sequential(*(nn.Linear(width, width) for _ in range(per_block)))
+
+        self.blocks = nn.ModuleList(block() for _ in range(layers // per_block))
 
     @torch.no_grad()
     def init_parameter(self, name: str, tensor: torch.Tensor) -> None:
@@ -26,8 +37,8 @@ class Probe(nn.Module):
         return x
 
 
-def wrap_probe(strategy: str, device: torch.device):
-    """``(model, optimizer)`` of ``Probe`` under ``strategy`` with the default arguments."""
+def wrap_probe(strategy: str, device: torch.device, per_block: int = 1):
+    """``(model, optimizer)`` of ``Probe(per_block=...)`` under ``strategy``, default arguments."""
     from tiny_fsdp.core.ddp import DDP, DDPAdamW
     from tiny_fsdp.core.fsdp import FSDP, FSDPAdamW
     from tiny_fsdp.core.optim import AdamW
@@ -37,7 +48,7 @@ def wrap_probe(strategy: str, device: torch.device):
     torch.manual_seed(0)
     if strategy in ("zero3", "fsdp"):
         with torch.device("meta"):
-            meta = Probe()
+            meta = Probe(per_block=per_block)
         if strategy == "fsdp":
             model = FSDP(meta, device=device)
             return model, FSDPAdamW(model.parameters())

@@ -82,7 +82,10 @@ def _layer_seconds(s: StepSetup, strategy: str) -> List[float]:
     layers = len(costs.layers)
     shared = 2.0 * costs.attention_flops_per_token * s.seq_len * s.tokens / cal.flops_per_s
     shared += costs.activation_bytes(s.tokens, s.act_bytes) * cal.activation_s_per_byte / 3
-    wrapper = cal.wrapper_layer_s.get("fsdp" if strategy == "hsdp" else strategy, 0.0)
+    name = "fsdp" if strategy == "hsdp" else strategy
+    wrapper = cal.wrapper_layer_s.get(name, 0.0)
+    # ZeRO-3 / FSDP also pay per unit (an unshard, a summed reduction), spread over the layers.
+    wrapper += cal.wrapper_unit_s.get(name, 0.0) * min(len(costs.units), layers) / layers
     fixed = (cal.layer_overhead_s + wrapper) / 3
     return [
         2.0 * m * s.tokens / cal.flops_per_s + shared / layers + fixed for m in costs.layer_matmul
