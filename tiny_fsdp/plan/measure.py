@@ -20,7 +20,7 @@ from torch import nn
 from tiny_fsdp.plan.calibration import KINDS, Calibration
 from tiny_fsdp.plan.probe import UNITS, WRAPPED, Probe, wrap_probe
 
-DEFAULT_SIZES = (2**12, 2**16, 2**20)  # payload bytes of the collectives timed
+DEFAULT_SIZES = (2**12, 2**16, 2**20, 2**24)  # payload bytes of the collectives timed
 DEFAULT_SHAPE = (2048, 1024, 4096)  # (rows, in, out) of the timed matrix product
 SAMPLE_S = 0.02  # a compute sample runs its benchmark back to back for about this long
 
