@@ -48,7 +48,7 @@ class FetchingWrapper(DataParallelWrapper):
             state.units.append(full_unit)
             state.unit_grads.append(grads)
             for layer in layers:
-                UnitHandler(layer, full_unit, grads, state)
+                UnitHandler(layer, full_unit, grads)
         self._prefetcher = state
         self._reads = OutsideReadWatch(self.module)
 

@@ -21,15 +21,16 @@ import torch
 from torch import nn
 
 from tiny_fsdp.core.module.handler import Params, TrainingPhase
+from tiny_fsdp.core.prefetch import Prefetcher
 
 
 class FullUnit:
     """Full parameters of ``layers``, held and released by them ([Note: full units])."""
 
-    def __init__(self, name: str, layers: Sequence[nn.Module], state: object) -> None:
+    def __init__(self, name: str, layers: Sequence[nn.Module], state: Prefetcher) -> None:
         self.name = name
         self.layers = list(layers)
-        self.state = state  # answers keeps_after_forward(unit)
+        self.state = state  # the strategy's per-model state: fetch, keeps_after_forward
         self._full: Optional[Dict[int, torch.Tensor]] = None  # id(local param) -> full tensor
         self._released: Dict[TrainingPhase, set] = {phase: set() for phase in TrainingPhase}
         self._holders = 0

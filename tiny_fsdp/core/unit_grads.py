@@ -47,6 +47,7 @@ import torch
 from torch import nn
 
 from tiny_fsdp.core.module.handler import Params
+from tiny_fsdp.core.unit_layout import grouped, unit_params
 
 Column = Tuple[int, int]  # (group index, offset of the parameter in its group)
 
@@ -59,7 +60,6 @@ class UnitGradients:
     def __init__(
         self, name: str, layers: Sequence[nn.Module], state: Any, per_tensor: bool = False
     ) -> None:
-        self.name = name
         self.layers = list(layers)
         self.state = state
         self.per_tensor = per_tensor
@@ -124,7 +124,7 @@ class UnitGradients:
     # ---------------------------------------------------------------- internals
     def _allocate(self, grads: Params) -> None:
         """Lay out the trainable parameters (again if requires_grad changed); new buffers."""
-        params = self._params()
+        params = unit_params(self.layers)
         key = tuple(p.requires_grad for p in params)
         if key != self._key:
             self._layout([p for p in params if p.requires_grad])
@@ -139,22 +139,8 @@ class UnitGradients:
         self._live_bytes = sum(_nbytes(b) for b in self._buffers)
         self.state.reductions.stats.track(self._live_bytes)
 
-    def _params(self) -> List[nn.Parameter]:
-        """The unit's parameters, each once, in layer order."""
-        params: Dict[int, nn.Parameter] = {}
-        for layer in self.layers:
-            for name in layer.param_names:
-                param = getattr(layer, name)
-                if param is not None:
-                    params.setdefault(id(param), param)
-        return list(params.values())
-
     def _layout(self, trainable: List[nn.Parameter]) -> None:
-        groups: Dict[object, List[nn.Parameter]] = {}
-        for param in trainable:
-            key = len(groups) if self.per_tensor else self.group_key(param)
-            groups.setdefault(key, []).append(param)
-        self._groups = list(groups.values())
+        self._groups = grouped(trainable, self.group_key, self.per_tensor)
         self._columns = {}
         for index, group in enumerate(self._groups):
             offset = 0

@@ -28,24 +28,20 @@ from torch import nn
 
 from tiny_fsdp.core.full_unit import FullUnit
 from tiny_fsdp.core.module.handler import ParamHandler, Params, TrainingPhase
-from tiny_fsdp.core.prefetch import Prefetcher
 from tiny_fsdp.core.unit_grads import UnitGradients
 
 
 class UnitHandler(ParamHandler):
-    """Fetch / release through ``unit`` and ``prefetcher``; gradients into ``grads``."""
+    """Fetch / release through ``unit`` and its state's prefetcher; gradients into ``grads``."""
 
-    def __init__(
-        self, module: nn.Module, unit: FullUnit, grads: UnitGradients, prefetcher: Prefetcher
-    ) -> None:
+    def __init__(self, module: nn.Module, unit: FullUnit, grads: UnitGradients) -> None:
         self.unit = unit
         self.grads = grads
-        self.prefetcher = prefetcher
         self.n_slots = len(module.param_names)
         module.param_handler = self
 
     def fetch(self, module: nn.Module, phase: TrainingPhase) -> Params:
-        self.prefetcher.fetch(self.unit, phase)
+        self.unit.state.fetch(self.unit, phase)  # the state is the strategy's prefetcher
         return self.unit.hold(module)
 
     def release(self, module: nn.Module, phase: TrainingPhase) -> None:

@@ -12,12 +12,12 @@ life cycle]) are laid out by the same rule, ``unit_layers``:
   listed module form the root unit (FSDP2's layout).
 """
 
-from typing import Callable, Dict, Iterable, List, Optional, Tuple, Union
+from typing import Callable, Dict, Iterable, List, Optional, Sequence, Tuple, Union
 
 import torch
 from torch import nn
 
-from tiny_fsdp.core.module.layer import is_layer
+from tiny_fsdp.core.module.layer import is_layer, local_param
 
 UnitSpec = Union[str, Iterable[nn.Module]]
 
@@ -78,3 +78,25 @@ def repeated_blocks(
         if total > best_numel:
             best, best_numel = list(module), total
     return best
+
+
+def unit_params(layers: Sequence[nn.Module]) -> List[nn.Parameter]:
+    """The local parameters of ``layers``, each once (a tied one too), in layer order."""
+    params: Dict[int, nn.Parameter] = {}
+    for layer in layers:
+        for name in layer.param_names:
+            param = local_param(layer, name)  # also while a generic layer computes
+            if param is not None:
+                params.setdefault(id(param), param)
+    return list(params.values())
+
+
+def grouped(
+    params: Sequence[nn.Parameter], key: Callable[[nn.Parameter], object], per_tensor: bool
+) -> List[List[nn.Parameter]]:
+    """``params`` in groups of equal ``key`` (first-seen order); one tensor per group with
+    ``per_tensor`` (``unit="tensor"``). A group is what one collective moves."""
+    groups: Dict[object, List[nn.Parameter]] = {}
+    for param in params:
+        groups.setdefault(len(groups) if per_tensor else key(param), []).append(param)
+    return list(groups.values())

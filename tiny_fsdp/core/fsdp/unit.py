@@ -43,6 +43,7 @@ from tiny_fsdp.core import comm
 from tiny_fsdp.core.fsdp.sharded_param import ShardedParam, shard_info
 from tiny_fsdp.core.fsdp.state import FSDPState
 from tiny_fsdp.core.full_unit import FullUnit
+from tiny_fsdp.core.unit_layout import grouped, unit_params
 from tiny_fsdp.core.streams import GATHER, CommHandle, Launch
 
 # One collective per entry: (handle, output (world * numel,), input kept alive until waited).
@@ -60,19 +61,14 @@ class GatherUnit(FullUnit):
         self, name: str, layers: Sequence[nn.Module], state: FSDPState, per_tensor: bool = False
     ) -> None:
         super().__init__(name, layers, state)
-        shards: Dict[int, nn.Parameter] = {}  # the local parameters, each once
         for layer in self.layers:
             for param_name in layer.param_names:
                 param = getattr(layer, param_name)
-                if param is not None:
-                    if shard_info(param) is None:
-                        raise ValueError(f"{name}: {param_name} of {layer} is not an FSDP shard")
-                    shards.setdefault(id(param), param)
+                if param is not None and shard_info(param) is None:
+                    raise ValueError(f"{name}: {param_name} of {layer} is not an FSDP shard")
+        shards = unit_params(self.layers)  # each once
         # A collective has one dtype: tensors of one dtype travel together (or each alone).
-        groups: Dict[object, List[nn.Parameter]] = {}
-        for param in shards.values():
-            groups.setdefault(len(groups) if per_tensor else param.dtype, []).append(param)
-        self.groups: List[List[nn.Parameter]] = list(groups.values())
+        self.groups = grouped(shards, lambda param: param.dtype, per_tensor)
         self._full_bytes = 0
 
     def gathered_numel(self) -> int:

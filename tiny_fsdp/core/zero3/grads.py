@@ -12,14 +12,14 @@ import torch
 from torch import nn
 
 from tiny_fsdp.core.unit_grads import UnitGradients
-from tiny_fsdp.core.zero3.runtime import ATTR
+from tiny_fsdp.core.zero3.runtime import ATTR, owner_and_dtype
 
 
 class ReduceToOwnerGrads(UnitGradients):
     """One reduce per owner and dtype (per tensor with ``unit="tensor"``) of a unit."""
 
     def group_key(self, param: nn.Parameter) -> object:
-        return (getattr(param, ATTR).owner, param.dtype)
+        return owner_and_dtype(param)  # as the unit's broadcasts
 
     def numel_in_group(self, param: nn.Parameter) -> int:
         return getattr(param, ATTR).shape.numel()

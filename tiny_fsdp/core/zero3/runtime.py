@@ -29,6 +29,11 @@ class TensorInfo:
     shape: torch.Size
 
 
+def owner_and_dtype(param: nn.Parameter) -> tuple:
+    """What ZeRO-3 groups a unit's tensors by: one broadcast / reduce per owner and dtype."""
+    return getattr(param, ATTR).owner, param.dtype
+
+
 @dataclass
 class FetchStats:
     """Bytes of fetched parameter buffers alive now and at most, on this rank: the received

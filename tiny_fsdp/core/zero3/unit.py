@@ -49,9 +49,9 @@ from torch import nn
 
 from tiny_fsdp.core import comm
 from tiny_fsdp.core.full_unit import FullUnit
-from tiny_fsdp.core.module import local_param
 from tiny_fsdp.core.streams import GATHER, CommHandle
-from tiny_fsdp.core.zero3.runtime import ATTR, TensorInfo, Zero3Runtime
+from tiny_fsdp.core.unit_layout import grouped, unit_params
+from tiny_fsdp.core.zero3.runtime import ATTR, TensorInfo, Zero3Runtime, owner_and_dtype
 
 
 @dataclass
@@ -75,18 +75,8 @@ class BroadcastUnit(FullUnit):
         per_tensor: bool = False,
     ) -> None:
         super().__init__(name, layers, runtime)
-        self.runtime = runtime
-        params: Dict[int, nn.Parameter] = {}  # the local parameters, each once
-        for layer in self.layers:
-            for param_name in layer.param_names:
-                param = local_param(layer, param_name)
-                if param is not None:
-                    params.setdefault(id(param), param)
-        groups: Dict[object, List[nn.Parameter]] = {}
-        for param in params.values():
-            key = len(groups) if per_tensor else (_info(param).owner, param.dtype)
-            groups.setdefault(key, []).append(param)
-        self.groups: List[List[nn.Parameter]] = list(groups.values())
+        self.runtime = runtime  # the state, typed
+        self.groups = grouped(unit_params(self.layers), owner_and_dtype, per_tensor)
         self._buffers: List[torch.Tensor] = []  # of the current fetch, freed at reshard
         self._nbytes = 0
 
