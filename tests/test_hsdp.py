@@ -32,6 +32,8 @@ from tiny_fsdp.core import comm
 from tiny_fsdp.core.fsdp import FSDP, FSDPSGD, FSDPAdamW, hsdp_mesh, shard_info
 from tiny_fsdp.core.precision import MixedPrecisionPolicy
 from tiny_fsdp.core.reductions import PendingReductions
+from tiny_fsdp.models.gpt2 import GPT2Model, GPTConfig
+from tiny_fsdp.plan import gpt2_costs, load_calibration, plan
 from tiny_fsdp.core.streams import CommStreams
 
 WORLD = 4
@@ -374,6 +376,7 @@ def _ledger(rank: int, world_size: int) -> List[Tuple]:
         assert ledger_total == {kind: n for (_, kind), n in expected_bytes.items()}
         traffic = comm.LEDGER.group_traffic_bytes("replicate", replicas)
         assert traffic.get("all_reduce", 0.0) == 2 * (replicas - 1) / replicas * (padded // shard)
+    _planned_bytes(rank, world_size)
     # Without a mesh nothing is labelled.
     plain = FSDP(OddNet(), unit="layer")
     comm.LEDGER.reset()
@@ -383,7 +386,31 @@ def _ledger(rank: int, world_size: int) -> List[Tuple]:
     return []
 
 
+def _planned_bytes(rank: int, world_size: int) -> None:
+    """The planner's intra-group and inter-group bytes for ``--hsdp R`` ([Note: what the
+    planner predicts]) against the ledger: a GPT-2 with odd row counts, default arguments (block
+    units, resharded after forward), the second step of each layout."""
+    config = GPTConfig(block_size=8, vocab_size=97, n_layer=2, n_head=3, n_embd=18)
+    costs = gpt2_costs(config)
+    for replicas, shard in LAYOUTS:
+        torch.manual_seed(0)
+        model, opt = _hsdp(GPT2Model(config), (replicas, shard), "adamw")
+        x = torch.randint(97, (2, 8), generator=torch.Generator().manual_seed(rank))
+        for _ in range(2):
+            comm.LEDGER.reset()
+            F.cross_entropy(model(x).reshape(-1, 97), x.reshape(-1)).backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+        predicted = plan(costs, load_calibration("h100_sxm"), world_size, 2, 8,
+                         hsdp_replicas=replicas)["hsdp"]  # fmt: skip
+        assert dict(comm.LEDGER.group_payload_bytes) == predicted.payload_bytes, (replicas, rank)
+        # Across the groups travels each reduced shard: 1 / shard of what was reduce-scattered.
+        scattered = predicted.payload_bytes["shard", "reduce_scatter"]
+        assert predicted.inter_group_bytes == (scattered // shard if replicas > 1 else 0)
+
+
 def test_ledger_counts_intra_and_inter_group_bytes_by_the_formula() -> None:
+    """... and the planner predicts both."""
     run_distributed(_ledger, WORLD)
 
 

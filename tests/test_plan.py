@@ -16,12 +16,17 @@ changes hit them alike. The planner's prediction from that calibration is compar
   The reduction meters count a reduced gradient until the end of backward even when it becomes
   ``.grad`` ([Note: asynchronous reduction]), which the ledger counts too; the planner predicts
   the inputs in flight only, so ZeRO-3 and FSDP measure up to one gradient shard more.
+- the bytes of every collective in a step, per kind, as the communication ledger counts them
+  ([Note: communication ledger]): exactly, since both count the same tensors. HSDP's split into
+  intra-group and inter-group bytes is checked the same way in ``tests/test_hsdp.py``.
 - step time: the median over the timed steps of the slowest rank's step. Within 25 %. A timing
   check depends on the machine's load, so it is marked ``timing`` and left out of the default
   run (the project keeps speed in benchmarks): ``pytest -m timing tests/test_plan.py`` runs it.
 """
 
 import argparse
+import dataclasses
+import functools
 import json
 import statistics
 import time
@@ -32,7 +37,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from tests.harness import run_distributed
-from tiny_fsdp.models.gpt2 import GPT2Model, GPTConfig
+from tiny_fsdp.models.gpt2 import GPT2Model, GPTConfig, GPTConfigs
 from tiny_fsdp.plan import STRATEGIES, gpt2_costs, load_calibration, plan
 from tiny_fsdp.plan.measure import Calibrator, calibration_from
 
@@ -86,8 +91,10 @@ def _build_all(rank, world):
     return built, x, y
 
 
-def _measure_memory(rank, world):
-    """Per strategy: (model states, saved activations, transient peak) of this rank."""
+def _measure(rank, world):
+    """Per strategy: ((model states, saved activations, transient peak), collective payload
+    bytes per kind) of this rank's second step."""
+    from tiny_fsdp.core import comm
     from tiny_fsdp.core.memory import memory_ledger
 
     built, x, y = _build_all(rank, world)
@@ -102,12 +109,20 @@ def _measure_memory(rank, world):
             for stats in (model.fetch_stats, model.reduce_stats):
                 stats.peak_bytes = stats.live_bytes
         params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+        comm.LEDGER.reset()
         saved = _saved_bytes(model, x, y, params)
         optimizer.step()
+        payload = dict(comm.LEDGER.payload_bytes)
         states = memory_ledger(model, optimizer).total
         optimizer.zero_grad(set_to_none=True)
-        memory[name] = (states, saved, _transient_bytes(name, model))
+        memory[name] = ((states, saved, _transient_bytes(name, model)), payload)
     return memory
+
+
+@functools.lru_cache(maxsize=None)
+def _measured(world: int):
+    """``_measure`` on ``world`` ranks, once per test session (two tests read it)."""
+    return run_distributed(_measure, world, timeout=240)
 
 
 def _calibrate_and_time(rank, world):
@@ -140,10 +155,10 @@ def memory_rows(world_sizes=(1, 2, 3, 4)):
     rows = []
     costs, calibration = gpt2_costs(CONFIG, "test model"), load_calibration("a100_sxm")
     for world in world_sizes:
-        results = run_distributed(_measure_memory, world, timeout=240)
+        results = _measured(world)
         predicted = plan(costs, calibration, world, BATCH, SEQ)
         for name in STRATEGIES:
-            peak = max(sum(r[name]) for r in results)
+            peak = max(sum(r[name][0]) for r in results)
             rows.append((world, name, predicted[name].peak_bytes, peak))
     return rows
 
@@ -181,6 +196,29 @@ def test_planner_predicts_peak_memory_per_rank_within_10_percent():
     print("\n" + format_rows(rows, "MiB"))
     misses = [r for r in rows if abs(r[2] / r[3] - 1) > MEMORY_TOLERANCE]
     assert not misses, "out of tolerance:\n" + format_rows(rows, "MiB")
+
+
+def test_planner_predicts_the_bytes_of_every_collective_exactly():
+    """Per strategy and kind, the payload one rank's collectives carry in a step, on gloo
+    (ZeRO-1/2 all-reduce and broadcast there, [Note: ZeRO collectives on gloo]) and on NCCL
+    (the formula without a run: reduce-scatter and all-gather of the same buckets)."""
+    costs = gpt2_costs(CONFIG, "test model")
+    gloo = dataclasses.replace(load_calibration("a100_sxm"), backend="gloo")
+    for world in (1, 2, 3, 4):
+        predicted = plan(costs, gloo, world, BATCH, SEQ)
+        for name in STRATEGIES:
+            expected = {kind: n for (group, kind), n in predicted[name].payload_bytes.items()}
+            assert {group for group, _ in predicted[name].payload_bytes} <= {"world"}
+            assert predicted[name].inter_group_bytes == 0
+            for rank, result in enumerate(_measured(world)):
+                assert result[name][1] == expected, (world, name, rank)
+    nccl = plan(costs, load_calibration("a100_sxm"), 4, BATCH, SEQ)
+    for name in ("zero1", "zero2"):  # the same bucket bytes, as reduce-scatter + all-gather
+        by_kind = {kind: n for (_, kind), n in nccl[name].payload_bytes.items()}
+        on_gloo = _measured(4)[0][name][1]
+        assert by_kind == {
+            "reduce_scatter": on_gloo["all_reduce"], "all_gather": on_gloo["broadcast"]
+        }  # fmt: skip
 
 
 @pytest.mark.timing
@@ -233,3 +271,23 @@ def test_plan_model_reads_any_module():
     assert plans["fsdp"].model_state_bytes < plans["zero2"].model_state_bytes
     assert plans["zero2"].model_state_bytes < plans["ddp"].model_state_bytes
     assert plans["ddp"].activation_bytes > 0
+
+
+def test_hsdp_step_time_follows_the_inter_node_link():
+    """16 ranks, 8 a node: HSDP's all-reduce across the 2 replica groups runs at the inter-node
+    bandwidth, so a slower link costs it time; FSDP's rings over all 16 ranks cross the link with
+    every gather and reduction, so on a slow link HSDP is the faster one."""
+    costs = gpt2_costs(GPTConfigs.get("gpt2"))
+    steps = {}
+    for gbps in (400, 25, 5):
+        calibration = load_calibration("h100_sxm")
+        calibration.collectives = {}  # the ring model, so the link speeds decide
+        calibration.ranks_per_node = 8
+        calibration.inter_node_bandwidth_bytes_per_s = gbps * 1e9
+        steps[gbps] = plan(costs, calibration, 16, 4, 1024, hsdp_replicas=2)
+    hsdp = [steps[g]["hsdp"].comm_ms for g in (400, 25, 5)]
+    assert hsdp[0] < hsdp[1] < hsdp[2]
+    assert steps[5]["hsdp"].step_ms < steps[5]["fsdp"].step_ms
+    # The bytes do not depend on the link: one reduced shard per step crosses it.
+    assert steps[5]["hsdp"].payload_bytes == steps[400]["hsdp"].payload_bytes
+    assert steps[5]["hsdp"].inter_group_bytes > 0 == steps[5]["fsdp"].inter_group_bytes

@@ -3,7 +3,8 @@
 [Note: model costs]
 ``ModelCosts`` describes a model by what the strategies see of it:
 
-- ``tensors``: elements of every distinct parameter tensor (a tied weight once);
+- ``tensors``: elements of every distinct parameter tensor (a tied weight once), and ``rows``
+  its dim-0 size (FSDP shards along it, padding the rows to a multiple of the shard group);
 - ``layers``: per layer (a module holding parameters directly: a linear, a norm, an
   embedding) the tensors it uses, in forward order; a tied weight appears in each layer using it
   (ZeRO-3 fetches and reduces it once per use, FSDP reduces per layer);
@@ -33,7 +34,7 @@ tensors of one forward on the ``meta`` device (no memory, no compute); attention
 """
 
 import copy
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Dict, List, Optional
 
 import torch
@@ -60,6 +61,7 @@ class ModelCosts:
             holds the fp32 / int64 parts that do not follow the compute dtype.
         ckpt_per_token: the same with gradient checkpointing; None if the model cannot.
         block_per_token: one block's ``(elements, fixed bytes)`` (recomputed under checkpointing).
+        rows: dim-0 size per tensor (1 for a scalar); empty: a tensor's rows are its elements.
     """
 
     name: str
@@ -72,10 +74,18 @@ class ModelCosts:
     act_per_token: tuple = (0, 0)
     ckpt_per_token: Optional[tuple] = None
     block_per_token: tuple = (0, 0)
+    rows: List[int] = field(default_factory=list)
 
     @property
     def num_params(self) -> int:
         return sum(self.tensors)
+
+    def padded_numel(self, tensor: int, shards: int) -> int:
+        """Elements of tensor ``tensor`` as FSDP lays it out over ``shards`` ranks: its rows
+        padded to a multiple of ``shards``."""
+        numel = self.tensors[tensor]
+        rows = self.rows[tensor] if self.rows else numel
+        return -(-rows // shards) * shards * (numel // rows if rows else 0)
 
     def flops(self, tokens: int, seq_len: int) -> float:
         """Forward + backward FLOPs of ``tokens`` tokens in sequences of ``seq_len``."""
@@ -101,9 +111,11 @@ def _layers_and_tensors(model: nn.Module):
 
     index: Dict[int, int] = {}
     tensors: List[int] = []
+    rows: List[int] = []
     for p in model.parameters():  # a tied parameter once
         index[id(p)] = len(tensors)
         tensors.append(p.numel())
+        rows.append(p.shape[0] if p.dim() else 1)
     # Every module holding parameters is a layer; a tied weight is in each layer that uses it.
     layer_modules = [m for m in model.modules() if any(True for _ in m.parameters(recurse=False))]
     layers = [[index[id(p)] for p in m.parameters(recurse=False)] for m in layer_modules]
@@ -124,14 +136,14 @@ def _layers_and_tensors(model: nn.Module):
     for p in model.parameters():
         units[in_block.get(id(p), -1) + 1].append(index[id(p)])
     units = [u for u in units if u] if blocks else [[i] for layer in layers for i in layer]
-    return tensors, layers, units, layer_matmul
+    return tensors, rows, layers, units, layer_matmul
 
 
 def gpt2_costs(config: GPTConfig, name: str = "gpt2") -> ModelCosts:
     """``ModelCosts`` of ``GPT2Model(config)``, built on ``meta`` ([Note: model costs])."""
     with torch.device("meta"):
         model = GPT2Model(config)
-    tensors, layers, units, layer_matmul = _layers_and_tensors(model)
+    tensors, rows, layers, units, layer_matmul = _layers_and_tensors(model)
     c, v, h = config.n_embd, config.vocab_size, config.n_head
     per_layer = 12 * c * c  # c_attn 3 C^2, c_proj C^2, c_fc 4 C^2, c_proj 4 C^2
     block = (16 * c, 4 * 4 + 4 * h)
@@ -148,6 +160,7 @@ def gpt2_costs(config: GPTConfig, name: str = "gpt2") -> ModelCosts:
         act_per_token=(n * block[0] + head[0], n * block[1] + head[1]),
         ckpt_per_token=(n * c + head[0], head[1]),
         block_per_token=block,
+        rows=rows,
     )
 
 
@@ -161,12 +174,14 @@ def module_costs(
     config = getattr(model, "config", None)
     if isinstance(model, GPT2Model) and isinstance(config, GPTConfig):
         return gpt2_costs(config, name)
-    tensors, layers, units, layer_matmul = _layers_and_tensors(model)
+    tensors, rows, layers, units, layer_matmul = _layers_and_tensors(model)
     matmul = sum(layer_matmul)
     act = (0, 0)
     if example_input is not None:
         act = (0, _meta_saved_bytes(model, example_input) / example_input.numel())
-    return ModelCosts(name, tensors, layers, units, layer_matmul, matmul, 0, act, None, (0, 0))
+    return ModelCosts(
+        name, tensors, layers, units, layer_matmul, matmul, 0, act, None, (0, 0), rows
+    )
 
 
 def _meta_saved_bytes(model: nn.Module, example_input: torch.Tensor) -> int:

@@ -15,12 +15,17 @@ leaves out what no strategy controls (the logits' gradient, autograd's temporari
 caching). ``tests/test_plan.py`` measures the same three parts: the memory ledger, the
 saved-tensor bytes of the forward, and the strategies' own buffer meters.
 
+``payload_bytes`` are the bytes one rank's collectives carry in a step, per (group, kind), as
+the communication ledger counts them ([Note: communication ledger]): group ``"world"`` for the
+strategies over all ranks, HSDP's ``"shard"`` (inside a replica group, a node) and ``"replicate"``
+(across them, the inter-node link); ``intra_group_bytes`` and ``inter_group_bytes`` split them.
+
 ``step_ms`` is the planned timeline of one step ([Note: strategy schedules]); ``tokens_per_s``
 is the global batch (all ranks) over it; ``fits`` is ``peak_bytes <= gpu_memory``.
 """
 
 from dataclasses import asdict, dataclass
-from typing import Dict, List, Optional, Sequence
+from typing import Dict, List, Optional, Sequence, Tuple
 
 from torch import nn
 
@@ -45,6 +50,17 @@ class Prediction:
     transient_bytes: int
     compute_ms: float
     comm_ms: float
+    payload_bytes: Dict[Tuple[str, str], int]
+
+    @property
+    def inter_group_bytes(self) -> int:
+        """Payload of the collectives across HSDP's replica groups (0 for the others)."""
+        return sum(n for (group, _), n in self.payload_bytes.items() if group == "replicate")
+
+    @property
+    def intra_group_bytes(self) -> int:
+        """Payload of every other collective: inside a shard group, or over all ranks."""
+        return sum(self.payload_bytes.values()) - self.inter_group_bytes
 
     def summary(self) -> Dict[str, object]:
         """The four figures of ``--json``."""
@@ -102,6 +118,7 @@ def plan(
             transient_bytes=int(step.transient_bytes),
             compute_ms=1e3 * step.compute_s,
             comm_ms=1e3 * step.comm_s,
+            payload_bytes=step.payload_bytes,
         )
     return out
 

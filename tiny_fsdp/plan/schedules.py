@@ -28,8 +28,9 @@ share of the attention FLOPs and the elementwise work, and the fixed per-layer c
 twice the forward (plus a forward of each block again under gradient checkpointing).
 """
 
-from dataclasses import dataclass
-from typing import Dict, List, Optional
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Dict, List, Optional, Tuple
 
 from tiny_fsdp.plan.calibration import Calibration
 from tiny_fsdp.plan.collectives import collective_s
@@ -63,17 +64,41 @@ class StepPlan:
     compute_s: float
     comm_s: float
     transient_bytes: int  # gathered parameters, reduce / staging buffers at their peak
+    # (group, kind) -> payload bytes of one rank's collectives in the step, as the ledger counts
+    # them ([Note: communication ledger]); group "world", or HSDP's "shard" / "replicate".
+    payload_bytes: Dict[Tuple[str, str], int] = field(default_factory=dict)
 
 
-def _planned(tl: Timeline, cal: Calibration, transient: float) -> StepPlan:
+class _Collectives:
+    """The collectives of one planned step: each one's seconds ([Note: collective costs]) and
+    the payload bytes per (group, kind) they add up to."""
+
+    def __init__(self, calibration: Calibration) -> None:
+        self.calibration = calibration
+        self.payload: Counter = Counter()
+
+    def seconds(
+        self, kind: str, nbytes: float, n: int, group: str = "world", inter_node: bool = False
+    ) -> float:
+        self.payload[group, kind] += int(nbytes)
+        return collective_s(self.calibration, kind, nbytes, n, inter_node)
+
+
+def _planned(tl: Timeline, comms: _Collectives, transient: float) -> StepPlan:
     """The step of timeline ``tl``, with the calibration's overlap ([Note: calibration])."""
+    cal = comms.calibration
     compute, comm = tl.busy("compute"), tl.busy("comm")
     seconds = cal.overlap * tl.seconds + (1 - cal.overlap) * max(tl.seconds, compute + comm)
-    return StepPlan(seconds, compute, comm, int(transient))
+    return StepPlan(seconds, compute, comm, int(transient), dict(comms.payload))
 
 
 def _ceil_to(n: int, k: int) -> int:
     return -(-n // k) * k
+
+
+def _split(numel: int, parts: int) -> List[int]:
+    """``numel`` elements in ``parts`` calls as even as they go (ZeRO-3's owners)."""
+    return [numel // parts + (i < numel % parts) for i in range(parts)]
 
 
 def _layer_seconds(s: StepSetup, strategy: str) -> List[float]:
@@ -120,6 +145,7 @@ def _bucket_members(s: StepSetup) -> List[List[int]]:
 def _bucketed(s: StepSetup, zero_stage: int) -> StepPlan:
     """DDP (``zero_stage`` 0) and ZeRO-1/2: bucketed reductions overlapping backward."""
     cal, n, tl = s.calibration, s.world_size, Timeline(comm_channels=s.calibration.comm_channels)
+    comms = _Collectives(cal)
     fwd = _layer_seconds(s, ("ddp", "zero1", "zero2")[zero_stage])
     gloo = cal.backend == "gloo"
     members = _bucket_members(s)
@@ -144,7 +170,7 @@ def _bucketed(s: StepSetup, zero_stage: int) -> StepPlan:
         while len(launched) < len(buckets) and not remaining[len(launched)]:
             if zero_stage == 2 and launched:
                 tl.wait([launched[-1]])  # one reduction in flight: the next launch waits
-            seconds = collective_s(cal, kind, buckets[len(launched)] * s.param_bytes, n)
+            seconds = comms.seconds(kind, buckets[len(launched)] * s.param_bytes, n)
             launched.append(tl.add("comm", seconds, label=f"reduce bucket {len(launched)}"))
     tl.wait(launched)
     local = s.costs.num_params / (1 if zero_stage == 0 else n)
@@ -154,17 +180,16 @@ def _bucketed(s: StepSetup, zero_stage: int) -> StepPlan:
         for numel in buckets:
             if gloo:  # one broadcast per owner ([Note: ZeRO collectives on gloo])
                 for _ in range(n):
-                    seconds = collective_s(cal, "broadcast", numel // n * s.param_bytes, n)
+                    seconds = comms.seconds("broadcast", numel // n * s.param_bytes, n)
                     gathers.append(tl.add("comm", seconds))
             else:
-                gathers.append(
-                    tl.add("comm", collective_s(cal, "all_gather", numel * s.param_bytes, n))
-                )
+                seconds = comms.seconds("all_gather", numel * s.param_bytes, n)
+                gathers.append(tl.add("comm", seconds))
         tl.wait(gathers)
     transient = 0
     if zero_stage == 2:  # staging: the bucket reduced and the one filling
         transient = sum(sorted(buckets)[-2:]) * s.param_bytes
-    return _planned(tl, cal, transient)
+    return _planned(tl, comms, transient)
 
 
 def _unit_schedule(s: StepSetup, strategy: str) -> StepPlan:
@@ -173,6 +198,8 @@ def _unit_schedule(s: StepSetup, strategy: str) -> StepPlan:
     after its last backward layer, ``IN_FLIGHT`` reductions in flight ([Note: strategy
     schedules])."""
     cal, tl, costs = s.calibration, Timeline(comm_channels=s.calibration.comm_channels), s.costs
+    comms = _Collectives(cal)
+    group = "shard" if strategy == "hsdp" else "world"
     zero3 = strategy == "zero3"
     n = s.world_size if zero3 else s.world_size // s.replicas
     prefetch = ZERO3_PREFETCH if zero3 else FSDP_PREFETCH
@@ -180,22 +207,22 @@ def _unit_schedule(s: StepSetup, strategy: str) -> StepPlan:
     if n == 1 and zero3:  # one rank: nothing to broadcast or reduce
         _compute(tl, fwd, s)
         tl.add("compute", costs.num_params * cal.optimizer_s_per_param, label="optimizer")
-        return _planned(tl, cal, 0)
+        return _planned(tl, comms, 0)
     unit_of: Dict[int, int] = {t: u for u, unit in enumerate(costs.units) for t in unit}
     layer_unit = [unit_of[layer[0]] for layer in costs.layers]
     if zero3:  # whole tensors; one collective per owner of the unit's tensors
         numel = [sum(costs.tensors[t] for t in unit) for unit in costs.units]
         calls = [min(n, len(unit)) for unit in costs.units]
-    else:  # padded dim-0 shards; one collective per unit
-        numel = [sum(_ceil_to(costs.tensors[t], n) for t in unit) for unit in costs.units]
+    else:  # dim-0 shards, rows padded to a multiple of n; one collective per unit
+        numel = [sum(costs.padded_numel(t, n) for t in unit) for unit in costs.units]
         calls = [1] * len(costs.units)
     unshard_kind = "broadcast" if zero3 else "all_gather"
     reduce_kind = "reduce" if zero3 else "reduce_scatter"
 
     def unshard(u: int, start_of: Optional[int]) -> int:
         op = 0
-        for _ in range(calls[u]):
-            seconds = collective_s(cal, unshard_kind, numel[u] // calls[u] * s.param_bytes, n)
+        for part in _split(numel[u], calls[u]):
+            seconds = comms.seconds(unshard_kind, part * s.param_bytes, n, group)
             op = tl.add("comm", seconds, issue_at_start_of=start_of, label=f"unshard unit {u}")
         return op
 
@@ -223,13 +250,13 @@ def _unit_schedule(s: StepSetup, strategy: str) -> StepPlan:
         current = tl.add("compute", fwd[i] * (2 + s.grad_ckpt), [full[u]])
         if last_bwd_layer[u] != i:
             continue
-        for _ in range(calls[u]):  # the unit's gradients: one reduction per group
+        for part in _split(numel[u], calls[u]):  # the unit's gradients, one reduction per group
             if len(reductions) >= IN_FLIGHT:
                 tl.wait([reductions[-IN_FLIGHT]])
-            seconds = collective_s(cal, reduce_kind, numel[u] // calls[u] * 4, n)
-            if s.replicas > 1:
-                seconds += collective_s(
-                    cal, "all_reduce", numel[u] // n * 4, s.replicas, inter_node=True
+            seconds = comms.seconds(reduce_kind, part * 4, n, group)
+            if s.replicas > 1:  # then across the replica groups, over the inter-node link
+                seconds += comms.seconds(
+                    "all_reduce", numel[u] // n * 4, s.replicas, "replicate", inter_node=True
                 )
             reductions.append(tl.add("comm", seconds, label=f"reduce unit {u}"))
     tl.wait(reductions)
@@ -239,7 +266,7 @@ def _unit_schedule(s: StepSetup, strategy: str) -> StepPlan:
     root, blocks = numel[units_bwd[0]], sorted(numel[u] for u in units_bwd[1:]) or [0]
     unsharded = (root + sum(blocks[-(prefetch + 1) :])) * s.param_bytes
     reducing = sum(sorted(numel)[-(IN_FLIGHT + 1) :]) * 4
-    return _planned(tl, cal, unsharded + reducing)
+    return _planned(tl, comms, unsharded + reducing)
 
 
 def plan_step(strategy: str, s: StepSetup) -> StepPlan:
