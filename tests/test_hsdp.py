@@ -12,6 +12,7 @@ import copy
 import os
 from typing import Dict, List, Tuple
 
+import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -404,6 +405,11 @@ def _planned_bytes(rank: int, world_size: int) -> None:
         predicted = plan(costs, load_calibration("h100_sxm"), world_size, 2, 8,
                          hsdp_replicas=replicas)["hsdp"]  # fmt: skip
         assert dict(comm.LEDGER.group_payload_bytes) == predicted.payload_bytes, (replicas, rank)
+        sent = {
+            "intra": sum(comm.LEDGER.group_traffic_bytes("shard", shard).values()),
+            "inter": sum(comm.LEDGER.group_traffic_bytes("replicate", replicas).values()),
+        }
+        assert predicted.sent_bytes == pytest.approx(sent, rel=1e-12)  # the ring model's sums
         # Across the groups travels each reduced shard: 1 / shard of what was reduce-scattered.
         scattered = predicted.payload_bytes["shard", "reduce_scatter"]
         assert predicted.inter_group_bytes == (scattered // shard if replicas > 1 else 0)

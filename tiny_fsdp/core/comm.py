@@ -81,14 +81,14 @@ class CommLedger:
     def group_traffic_bytes(self, label: str, group_size: int) -> Dict[str, float]:
         """Bytes this rank sends per kind inside the groups labelled ``label`` (ring model)."""
         payloads = {k: n for (name, k), n in self.group_payload_bytes.items() if name == label}
-        return _ring_bytes(payloads, group_size)
+        return ring_bytes(payloads, group_size)
 
     def traffic_bytes(self, world_size: int) -> Dict[str, float]:
         """Bytes this rank sends per kind under the ring model (0 on one rank)."""
-        return _ring_bytes(self.payload_bytes, world_size)
+        return ring_bytes(self.payload_bytes, world_size)
 
 
-def _ring_bytes(payloads: Dict[str, int], size: int) -> Dict[str, float]:
+def ring_bytes(payloads: Dict[str, int], size: int) -> Dict[str, float]:
     """Per kind, the bytes a rank of a ``size``-rank ring sends for these payloads."""
     scale = (size - 1) / size
     return {kind: n * _RING_FACTOR.get(kind, 1.0) * scale for kind, n in payloads.items()}

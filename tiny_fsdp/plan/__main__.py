@@ -83,7 +83,7 @@ def format_plan(plans: Dict[str, Prediction]) -> str:
     """A markdown table of the predictions."""
     lines = [
         "| strategy | peak / rank | fits | step ms | tokens/s | model states | activations "
-        "| transient | compute ms | comm ms | payload in group | across groups |",
+        "| transient | compute ms | comm ms | sent in group | sent across groups |",
         "|---|---:|:---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for name, p in plans.items():
@@ -92,7 +92,8 @@ def format_plan(plans: Dict[str, Prediction]) -> str:
             f"| {name} | {_human(p.peak_bytes)} | {fits} | {p.step_ms:,.1f} | "
             f"{p.tokens_per_s:,.0f} | {_human(p.model_state_bytes)} | "
             f"{_human(p.activation_bytes)} | {_human(p.transient_bytes)} | {p.compute_ms:,.1f} | "
-            f"{p.comm_ms:,.1f} | {_human(p.intra_group_bytes)} | {_human(p.inter_group_bytes)} |"
+            f"{p.comm_ms:,.1f} | {_human(p.sent_bytes['intra'])} | "
+            f"{_human(p.sent_bytes['inter'])} |"
         )
     return "\n".join(lines)
 

@@ -8,7 +8,9 @@ a datasheet, a paper). Fields:
   all-reduce and their all-gather by one broadcast per rank ([Note: ZeRO collectives on gloo]).
 - ``compute.flops_per_s``: the matrix-product rate of one rank *while every rank computes* (on a
   shared CPU that is the honest rate), at the shapes given in ``compute.shape``.
-- ``compute.optimizer_s_per_param``: one optimizer step (tiny_fsdp AdamW), seconds per element.
+- ``compute.optimizer_s_per_param``: one optimizer step (tiny_fsdp AdamW), seconds per element,
+  and ``compute.optimizer_s_per_tensor`` its fixed cost per tensor (AdamW updates tensor by
+  tensor: a dozen small operations each, which a model of many small tensors feels).
 - ``compute.activation_s_per_byte``: elementwise work (norms, GELU, softmax: memory-bound)
   forward and backward, seconds per byte of activations kept for backward.
 - ``compute.layer_overhead_s``: fixed cost of running one layer forward and backward (kernel
@@ -54,6 +56,7 @@ class Calibration:
     wrapper_layer_s: Dict[str, float] = field(default_factory=dict)
     wrapper_unit_s: Dict[str, float] = field(default_factory=dict)  # ZeRO-3 / FSDP, per unit
     overlap: float = 1.0
+    optimizer_s_per_tensor: float = 0.0
     comm_channels: int = 1
     collectives: Dict[str, Dict[int, Dict[str, float]]] = field(default_factory=dict)
     sources: Dict[str, str] = field(default_factory=dict)
@@ -83,6 +86,7 @@ class Calibration:
             wrapper_layer_s={k: float(v) for k, v in compute.get("wrapper_layer_s", {}).items()},
             wrapper_unit_s={k: float(v) for k, v in compute.get("wrapper_unit_s", {}).items()},
             overlap=float(compute.get("overlap", 1.0)),
+            optimizer_s_per_tensor=float(compute.get("optimizer_s_per_tensor", 0.0)),
             collectives=collectives,
             sources=dict(data.get("sources", {})),
         )
@@ -94,6 +98,7 @@ class Calibration:
             "compute": {
                 "flops_per_s": self.flops_per_s,
                 "optimizer_s_per_param": self.optimizer_s_per_param,
+                "optimizer_s_per_tensor": self.optimizer_s_per_tensor,
                 "layer_overhead_s": self.layer_overhead_s,
                 "activation_s_per_byte": self.activation_s_per_byte,
                 "wrapper_layer_s": self.wrapper_layer_s,

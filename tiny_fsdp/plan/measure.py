@@ -22,6 +22,7 @@ from tiny_fsdp.plan.probe import UNITS, WRAPPED, Probe, wrap_probe
 
 DEFAULT_SIZES = (2**12, 2**16, 2**20, 2**24)  # payload bytes of the collectives timed
 DEFAULT_SHAPE = (2048, 1024, 4096)  # (rows, in, out) of the timed matrix product
+SMALL_TENSORS = 32  # AdamW over this many 16-element tensors: the cost per tensor
 SAMPLE_S = 0.02  # a compute sample runs its benchmark back to back for about this long
 
 
@@ -43,18 +44,19 @@ def _timed_s(fn: Callable[[], None], device: torch.device) -> float:
 class Calibrator:
     """Micro-benchmarks of this machine on the default group ([Note: calibration]).
 
-    ``sample()`` runs each once on every rank at the same time; ``result()`` is the medians
-    (the slowest rank's) and the alpha-beta fits. Calling ``sample()`` between the steps of a
-    workload calibrates the machine under the same load as the workload.
+    ``sample()`` runs each once on every rank at the same time; ``result()`` is the medians of
+    the slowest rank's samples and the alpha-beta fits. Calling ``sample()`` between the steps
+    of a workload calibrates the machine under the same load as the workload.
 
     Benchmarks: matrix products of ``shape = (rows, in, out)`` (forward and both backward
     products); a LayerNorm + GELU forward and backward (elementwise work per activation byte);
-    one AdamW step of 2^18 elements; a forward and backward of 8 tiny linear layers (the fixed
-    cost of a layer); the same probe under each strategy with its default arguments (the
-    wrapper's cost per layer beyond its collectives, whose ``alpha`` the ledger's counts
-    subtract), and for ZeRO-3 and FSDP also with the same layers in half as many units, which
-    separates their cost per unit (an unshard, a summed reduction) from their cost per layer;
-    every collective kind at each of ``sizes`` payload bytes; an asynchronous all-reduce issued
+    one AdamW step of 2^18 elements, and one of 32 tensors of 16 (its cost per tensor); a
+    forward and backward of 8 tiny linear layers (the fixed cost of a layer); the same probe
+    under each strategy with its default arguments (the wrapper's cost per layer beyond its
+    collectives, whose ``alpha`` the ledger's counts subtract), and for ZeRO-3 and FSDP also
+    with the same layers in half as many units, which separates their cost per unit (an
+    unshard, a summed reduction) from their cost per layer; every collective kind at each of
+    ``sizes`` payload bytes; an asynchronous all-reduce issued
     before the matrix products and waited for after them (``overlap``).
     """
 
@@ -72,6 +74,10 @@ class Calibrator:
         self._param = nn.Parameter(torch.zeros(2**18, device=device))
         self._param.grad = torch.ones_like(self._param)
         self._adamw = AdamW([self._param], lr=1e-3)
+        self._small = [nn.Parameter(torch.zeros(16, device=device)) for _ in range(SMALL_TENSORS)]
+        for p in self._small:
+            p.grad = torch.ones_like(p)
+        self._adamw_small = AdamW(self._small, lr=1e-3)  # its fixed cost per tensor
         self._probes = {name: wrap_probe(name, device) for name in ("plain",) + WRAPPED}
         for name in UNITS:  # the same layers in half as many units: per-unit cost apart
             self._probes[f"{name} x2"] = wrap_probe(name, device, per_block=2)
@@ -129,12 +135,9 @@ class Calibrator:
         elementwise = lambda: F.gelu(self._norm(self._act)).sum().backward()  # noqa: E731
         self._record("elementwise", elementwise, True)
         self._record("adamw", self._adamw.step, True)
+        self._record("adamw small", self._adamw_small.step, True)
         for name in self._probes:
             self._record(f"probe {name}", lambda: self._probe_step(name), True)
-        plain = self._samples["probe plain"][-1]
-        for name in WRAPPED + tuple(f"{u} x2" for u in UNITS):  # paired with the plain probe
-            extra = self._samples[f"probe {name}"][-1] - plain  # of the same sample: less noise
-            self._samples.setdefault(f"extra {name}", []).append(extra)
         # Overlap: an asynchronous all-reduce issued before the matrix products, waited after.
         busy = torch.zeros(max(1, self.sizes[-1] // 4), device=self.device)
         repeat = self._repeats["matmul"]
@@ -159,13 +162,17 @@ class Calibrator:
                 self._record(f"{kind} {numel * 4}", calls[kind])
 
     def result(self) -> Tuple[Dict[str, Any], Dict[str, Dict[str, float]]]:
-        """``(compute, collectives)``: the medians over samples, the same on every rank."""
+        """``(compute, collectives)``: per benchmark the median over samples of the slowest
+        rank's time (a synchronous step waits for its slowest rank, and so does its median step),
+        the same on every rank."""
         keys = sorted(self._samples)
-        local = torch.tensor(
-            [statistics.median(self._samples[k]) for k in keys], dtype=torch.float64
-        )
-        dist.all_reduce(local, op=dist.ReduceOp.MAX)
-        med = dict(zip(keys, local.tolist()))
+        slowest = torch.tensor([self._samples[k] for k in keys], dtype=torch.float64)
+        dist.all_reduce(slowest, op=dist.ReduceOp.MAX)  # samples were taken together
+        rows = dict(zip(keys, slowest.tolist()))
+        med = {k: statistics.median(row) for k, row in rows.items()}
+        for name in WRAPPED + tuple(f"{u} x2" for u in UNITS):  # paired with the plain probe
+            pairs = zip(rows[f"probe {name}"], rows["probe plain"])  # same sample: less noise
+            med[f"extra {name}"] = statistics.median(a - b for a, b in pairs)
         rows, d_in, d_out = self.shape
         fits = {}
         for kind in KINDS:
@@ -188,6 +195,9 @@ class Calibrator:
         compute = {
             "flops_per_s": 3 * 2 * rows * d_in * d_out / med["matmul"],
             "optimizer_s_per_param": med["adamw"] / self._param.numel(),
+            "optimizer_s_per_tensor": max(
+                0.0, med["adamw small"] / SMALL_TENSORS - 16 * med["adamw"] / self._param.numel()
+            ),
             "layer_overhead_s": med["probe plain"] / layers,
             "activation_s_per_byte": med["elementwise"] / act_bytes,
             "wrapper_layer_s": wrapper,
@@ -301,6 +311,7 @@ def calibration_from(
         backend=backend,
         flops_per_s=compute["flops_per_s"],
         optimizer_s_per_param=compute["optimizer_s_per_param"],
+        optimizer_s_per_tensor=compute.get("optimizer_s_per_tensor", 0.0),
         layer_overhead_s=compute["layer_overhead_s"],
         activation_s_per_byte=compute["activation_s_per_byte"],
         wrapper_layer_s=dict(compute.get("wrapper_layer_s", {})),

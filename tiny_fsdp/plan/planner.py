@@ -18,7 +18,9 @@ saved-tensor bytes of the forward, and the strategies' own buffer meters.
 ``payload_bytes`` are the bytes one rank's collectives carry in a step, per (group, kind), as
 the communication ledger counts them ([Note: communication ledger]): group ``"world"`` for the
 strategies over all ranks, HSDP's ``"shard"`` (inside a replica group, a node) and ``"replicate"``
-(across them, the inter-node link); ``intra_group_bytes`` and ``inter_group_bytes`` split them.
+(across them, the inter-node link); ``intra_group_bytes`` and ``inter_group_bytes`` split them,
+and ``sent_bytes`` turns them into the bytes a rank sends under the ring model, in its group
+(``"intra"``) and across groups (``"inter"``): what a link carries.
 
 ``step_ms`` is the planned timeline of one step ([Note: strategy schedules]); ``tokens_per_s``
 is the global batch (all ranks) over it; ``fits`` is ``peak_bytes <= gpu_memory``.
@@ -29,6 +31,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 from torch import nn
 
+from tiny_fsdp.core.comm import ring_bytes
 from tiny_fsdp.estimate import bytes_per_param, estimate_memory, estimate_model
 from tiny_fsdp.plan.calibration import Calibration
 from tiny_fsdp.plan.model_costs import ModelCosts, module_costs
@@ -51,6 +54,7 @@ class Prediction:
     compute_ms: float
     comm_ms: float
     payload_bytes: Dict[Tuple[str, str], int]
+    sent_bytes: Dict[str, float]
 
     @property
     def inter_group_bytes(self) -> int:
@@ -119,8 +123,19 @@ def plan(
             compute_ms=1e3 * step.compute_s,
             comm_ms=1e3 * step.comm_s,
             payload_bytes=step.payload_bytes,
+            sent_bytes=_sent_bytes(step.payload_bytes, world_size, replicas),
         )
     return out
+
+
+def _sent_bytes(payloads: Dict[Tuple[str, str], int], world_size: int, replicas: int) -> Dict:
+    """``{"intra": ..., "inter": ...}`` bytes a rank sends ([Note: communication ledger])."""
+    sizes = {"world": world_size, "shard": world_size // replicas, "replicate": replicas}
+    sent = {"intra": 0.0, "inter": 0.0}
+    for (group, kind), nbytes in payloads.items():
+        where = "inter" if group == "replicate" else "intra"
+        sent[where] += sum(ring_bytes({kind: nbytes}, sizes[group]).values())
+    return sent
 
 
 def plan_model(

@@ -117,6 +117,28 @@ def _layer_seconds(s: StepSetup, strategy: str) -> List[float]:
     ]
 
 
+def _optimizer_s(cal: Calibration, params: float, tensors: int) -> float:
+    """One optimizer step over ``params`` elements in ``tensors`` tensors (or pieces)."""
+    return params * cal.optimizer_s_per_param + tensors * cal.optimizer_s_per_tensor
+
+
+def _zero_pieces(s: StepSetup, members: List[List[int]], buckets: List[int]) -> int:
+    """ZeRO-1/2: the most tensor pieces one rank updates. A bucket's flat buffer (its tensors
+    back to back, padded to ``N``) is cut in ``N`` equal ranges; a tensor crossing a cut is a
+    piece on each side."""
+    n = s.world_size
+    pieces = [0] * n
+    for tensors, padded in zip(members, buckets):
+        share, start = padded // n, 0
+        for t in tensors:
+            end = start + s.costs.tensors[t]
+            if end > start:
+                for rank in range(start // share, (end - 1) // share + 1):
+                    pieces[rank] += 1
+            start = end
+    return max(pieces)
+
+
 def _compute(tl: Timeline, fwd: List[float], s: StepSetup) -> None:
     """Plain forward and backward, no communication."""
     for t in fwd:
@@ -173,8 +195,11 @@ def _bucketed(s: StepSetup, zero_stage: int) -> StepPlan:
             seconds = comms.seconds(kind, buckets[len(launched)] * s.param_bytes, n)
             launched.append(tl.add("comm", seconds, label=f"reduce bucket {len(launched)}"))
     tl.wait(launched)
-    local = s.costs.num_params / (1 if zero_stage == 0 else n)
-    tl.add("compute", local * cal.optimizer_s_per_param, label="optimizer")
+    if zero_stage == 0:
+        optimizer = _optimizer_s(cal, s.costs.num_params, len(s.costs.tensors))
+    else:
+        optimizer = _optimizer_s(cal, s.costs.num_params / n, _zero_pieces(s, members, buckets))
+    tl.add("compute", optimizer, label="optimizer")
     if zero_stage:
         gathers = []
         for numel in buckets:
@@ -206,7 +231,8 @@ def _unit_schedule(s: StepSetup, strategy: str) -> StepPlan:
     fwd = _layer_seconds(s, strategy)
     if n == 1 and zero3:  # one rank: nothing to broadcast or reduce
         _compute(tl, fwd, s)
-        tl.add("compute", costs.num_params * cal.optimizer_s_per_param, label="optimizer")
+        optimizer = _optimizer_s(cal, costs.num_params, len(costs.tensors))
+        tl.add("compute", optimizer, label="optimizer")
         return _planned(tl, comms, 0)
     unit_of: Dict[int, int] = {t: u for u, unit in enumerate(costs.units) for t in unit}
     layer_unit = [unit_of[layer[0]] for layer in costs.layers]
@@ -260,7 +286,10 @@ def _unit_schedule(s: StepSetup, strategy: str) -> StepPlan:
                 )
             reductions.append(tl.add("comm", seconds, label=f"reduce unit {u}"))
     tl.wait(reductions)
-    tl.add("compute", costs.num_params / n * cal.optimizer_s_per_param, label="optimizer")
+    # FSDP updates a shard of every tensor; ZeRO-3 the whole tensors it owns (about 1 / N).
+    tensors = -(-len(costs.tensors) // n) if zero3 else len(costs.tensors)
+    optimizer = _optimizer_s(cal, costs.num_params / n, tensors)
+    tl.add("compute", optimizer, label="optimizer")
     # Transient bytes: the root (full for the whole step) and the unit computing with the
     # prefetched ones; the gradient sum being filled and IN_FLIGHT reductions' inputs.
     root, blocks = numel[units_bwd[0]], sorted(numel[u] for u in units_bwd[1:]) or [0]
