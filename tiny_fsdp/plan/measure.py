@@ -56,8 +56,9 @@ class Calibrator:
     collectives, whose ``alpha`` the ledger's counts subtract), and for ZeRO-3 and FSDP also
     with the same layers in half as many units, which separates their cost per unit (an
     unshard, a summed reduction) from their cost per layer; every collective kind at each of
-    ``sizes`` payload bytes; an asynchronous all-reduce issued
-    before the matrix products and waited for after them (``overlap``).
+    ``sizes`` payload bytes, back to back (in a step the ranks do not arrive together, as they
+    do right after a barrier: on a shared CPU a rank that waits must be woken); an asynchronous
+    all-reduce issued before the matrix products and waited for after them (``overlap``).
     """
 
     def __init__(self, device: torch.device, shape=DEFAULT_SHAPE, sizes=DEFAULT_SIZES) -> None:
@@ -159,7 +160,7 @@ class Calibrator:
                 "reduce": lambda: comm.reduce(full, dst=0),
             }
             for kind in KINDS:
-                self._record(f"{kind} {numel * 4}", calls[kind])
+                self._record(f"{kind} {numel * 4}", calls[kind], True)
 
     def result(self) -> Tuple[Dict[str, Any], Dict[str, Dict[str, float]]]:
         """``(compute, collectives)``: per benchmark the median over samples of the slowest
