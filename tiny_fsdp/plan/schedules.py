@@ -17,8 +17,10 @@ One rank's step, with the defaults of ``DDP``, ``Zero1/2``, ``Zero3`` and ``FSDP
   (the next ones prefetched: 2 for ZeRO-3, 1 for FSDP) and freed after it, again in backward;
   after a unit's last backward layer its summed gradients are reduced, asynchronously, 2
   reductions in flight. FSDP issues one all-gather and one reduce-scatter per unit; ZeRO-3 one
-  broadcast and one reduce per owner of the unit's tensors (at most ``N``). Unsharded units,
-  the gradient sum being filled and the reductions in flight are transient memory.
+  broadcast and one reduce per owner of the unit's tensors, owners from ``Zero3``'s default
+  partition of the tensor sizes (which also says how many tensors its busiest rank updates).
+  Unsharded units, the gradient sum being filled and the reductions in flight are transient
+  memory.
 - HSDP (``R`` replica groups): FSDP inside groups of ``N / R`` ranks, and each reduced shard is
   then all-reduced across the ``R`` groups (over the inter-node link when the calibration gives
   one).
@@ -31,6 +33,8 @@ twice the forward (plus a forward of each block again under gradient checkpointi
 from collections import Counter
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Tuple
+
+import torch
 
 from tiny_fsdp.plan.calibration import Calibration
 from tiny_fsdp.plan.collectives import collective_s
@@ -96,9 +100,14 @@ def _ceil_to(n: int, k: int) -> int:
     return -(-n // k) * k
 
 
-def _split(numel: int, parts: int) -> List[int]:
-    """``numel`` elements in ``parts`` calls as even as they go (ZeRO-3's owners)."""
-    return [numel // parts + (i < numel % parts) for i in range(parts)]
+def _zero3_owners(costs: ModelCosts, n: int) -> List[int]:
+    """The owner rank of each tensor under ``Zero3``'s default partition (it reads sizes
+    only, so ``meta`` tensors of the same sizes give the same table)."""
+    from tiny_fsdp.core.zero3 import zero3_partition_tensors
+
+    named = [(str(i), torch.empty(numel, device="meta")) for i, numel in enumerate(costs.tensors)]
+    table, _ = zero3_partition_tensors(named, ["cpu"] * n)
+    return [table[str(i)] for i in range(len(costs.tensors))]
 
 
 def _layer_seconds(s: StepSetup, strategy: str) -> List[float]:
@@ -237,17 +246,26 @@ def _unit_schedule(s: StepSetup, strategy: str) -> StepPlan:
     unit_of: Dict[int, int] = {t: u for u, unit in enumerate(costs.units) for t in unit}
     layer_unit = [unit_of[layer[0]] for layer in costs.layers]
     if zero3:  # whole tensors; one collective per owner of the unit's tensors
-        numel = [sum(costs.tensors[t] for t in unit) for unit in costs.units]
-        calls = [min(n, len(unit)) for unit in costs.units]
+        owner = _zero3_owners(costs, n)
+        parts: List[List[int]] = []
+        for unit in costs.units:
+            by_owner: Dict[int, int] = {}
+            for t in unit:
+                by_owner[owner[t]] = by_owner.get(owner[t], 0) + costs.tensors[t]
+            parts.append([by_owner[r] for r in sorted(by_owner)])
+        owned = [(sum(costs.tensors[t] for t in range(len(owner)) if owner[t] == r),
+                  owner.count(r)) for r in range(n)]  # fmt: skip
+        optimizer = max(_optimizer_s(cal, params, tensors) for params, tensors in owned)
     else:  # dim-0 shards, rows padded to a multiple of n; one collective per unit
-        numel = [sum(costs.padded_numel(t, n) for t in unit) for unit in costs.units]
-        calls = [1] * len(costs.units)
+        parts = [[sum(costs.padded_numel(t, n) for t in unit)] for unit in costs.units]
+        optimizer = _optimizer_s(cal, costs.num_params / n, len(costs.tensors))  # every tensor
+    numel = [sum(p) for p in parts]
     unshard_kind = "broadcast" if zero3 else "all_gather"
     reduce_kind = "reduce" if zero3 else "reduce_scatter"
 
     def unshard(u: int, start_of: Optional[int]) -> int:
         op = 0
-        for part in _split(numel[u], calls[u]):
+        for part in parts[u]:
             seconds = comms.seconds(unshard_kind, part * s.param_bytes, n, group)
             op = tl.add("comm", seconds, issue_at_start_of=start_of, label=f"unshard unit {u}")
         return op
@@ -276,7 +294,7 @@ def _unit_schedule(s: StepSetup, strategy: str) -> StepPlan:
         current = tl.add("compute", fwd[i] * (2 + s.grad_ckpt), [full[u]])
         if last_bwd_layer[u] != i:
             continue
-        for part in _split(numel[u], calls[u]):  # the unit's gradients, one reduction per group
+        for part in parts[u]:  # the unit's gradients, one reduction per group
             if len(reductions) >= IN_FLIGHT:
                 tl.wait([reductions[-IN_FLIGHT]])
             seconds = comms.seconds(reduce_kind, part * 4, n, group)
@@ -286,10 +304,7 @@ def _unit_schedule(s: StepSetup, strategy: str) -> StepPlan:
                 )
             reductions.append(tl.add("comm", seconds, label=f"reduce unit {u}"))
     tl.wait(reductions)
-    # FSDP updates a shard of every tensor; ZeRO-3 the whole tensors it owns (about 1 / N).
-    tensors = -(-len(costs.tensors) // n) if zero3 else len(costs.tensors)
-    optimizer = _optimizer_s(cal, costs.num_params / n, tensors)
-    tl.add("compute", optimizer, label="optimizer")
+    tl.add("compute", optimizer, label="optimizer")  # the busiest rank's, for ZeRO-3
     # Transient bytes: the root (full for the whole step) and the unit computing with the
     # prefetched ones; the gradient sum being filled and IN_FLIGHT reductions' inputs.
     root, blocks = numel[units_bwd[0]], sorted(numel[u] for u in units_bwd[1:]) or [0]
