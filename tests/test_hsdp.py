@@ -405,6 +405,7 @@ def _planned_bytes(rank: int, world_size: int) -> None:
         predicted = plan(costs, load_calibration("h100_sxm"), world_size, 2, 8,
                          hsdp_replicas=replicas)["hsdp"]  # fmt: skip
         assert dict(comm.LEDGER.group_payload_bytes) == predicted.payload_bytes, (replicas, rank)
+        assert dict(comm.LEDGER.group_calls) == predicted.calls, (replicas, rank)
         sent = {
             "intra": sum(comm.LEDGER.group_traffic_bytes("shard", shard).values()),
             "inter": sum(comm.LEDGER.group_traffic_bytes("replicate", replicas).values()),

@@ -16,9 +16,10 @@ changes hit them alike. The planner's prediction from that calibration is compar
   The reduction meters count a reduced gradient until the end of backward even when it becomes
   ``.grad`` ([Note: asynchronous reduction]), which the ledger counts too; the planner predicts
   the inputs in flight only, so ZeRO-3 and FSDP measure up to one gradient shard more.
-- the bytes of every collective in a step, per kind, as the communication ledger counts them
-  ([Note: communication ledger]): exactly, since both count the same tensors. HSDP's split into
-  intra-group and inter-group bytes is checked the same way in ``tests/test_hsdp.py``.
+- the bytes and the number of every collective in a step, per kind, as the communication
+  ledger counts them ([Note: communication ledger]): exactly, since both count the same
+  tensors; and the tensors (or pieces) each rank's optimizer updates, by its AdamW states.
+  HSDP's split into intra-group and inter-group bytes is checked in ``tests/test_hsdp.py``.
 - step time: the median over the timed steps of the slowest rank's step. Within 25 %. A timing
   check depends on the machine's load, so it is marked ``timing`` and left out of the default
   run (the project keeps speed in benchmarks): ``pytest -m timing tests/test_plan.py`` runs it.
@@ -112,7 +113,7 @@ def _measure(rank, world):
         comm.LEDGER.reset()
         saved = _saved_bytes(model, x, y, params)
         optimizer.step()
-        payload = dict(comm.LEDGER.payload_bytes)
+        payload = dict(comm.LEDGER.payload_bytes), dict(comm.LEDGER.calls)
         states = memory_ledger(model, optimizer).total
         optimizer.zero_grad(set_to_none=True)
         pieces = len(optimizer.state)  # AdamW state per tensor (or piece) it updates
@@ -199,8 +200,9 @@ def test_planner_predicts_peak_memory_per_rank_within_10_percent():
     assert not misses, "out of tolerance:\n" + format_rows(rows, "MiB")
 
 
-def test_planner_predicts_the_bytes_of_every_collective_exactly():
-    """Per strategy and kind, the payload one rank's collectives carry in a step, on gloo
+def test_planner_predicts_the_bytes_and_calls_of_every_collective_exactly():
+    """Per strategy and kind, the payload one rank's collectives carry in a step and their
+    number, on gloo
     (ZeRO-1/2 all-reduce and broadcast there, [Note: ZeRO collectives on gloo]) and on NCCL
     (the formula without a run: reduce-scatter and all-gather of the same buckets)."""
     costs = gpt2_costs(CONFIG, "test model")
@@ -209,14 +211,15 @@ def test_planner_predicts_the_bytes_of_every_collective_exactly():
         predicted = plan(costs, gloo, world, BATCH, SEQ)
         for name in STRATEGIES:
             expected = {kind: n for (group, kind), n in predicted[name].payload_bytes.items()}
+            calls = {kind: n for (group, kind), n in predicted[name].calls.items()}
             assert {group for group, _ in predicted[name].payload_bytes} <= {"world"}
             assert predicted[name].inter_group_bytes == 0
             for rank, result in enumerate(_measured(world)):
-                assert result[name][1] == expected, (world, name, rank)
+                assert result[name][1] == (expected, calls), (world, name, rank)
     nccl = plan(costs, load_calibration("a100_sxm"), 4, BATCH, SEQ)
     for name in ("zero1", "zero2"):  # the same bucket bytes, as reduce-scatter + all-gather
         by_kind = {kind: n for (_, kind), n in nccl[name].payload_bytes.items()}
-        on_gloo = _measured(4)[0][name][1]
+        on_gloo = _measured(4)[0][name][1][0]
         assert by_kind == {
             "reduce_scatter": on_gloo["all_reduce"], "all_gather": on_gloo["broadcast"]
         }  # fmt: skip

@@ -15,12 +15,13 @@ leaves out what no strategy controls (the logits' gradient, autograd's temporari
 caching). ``tests/test_plan.py`` measures the same three parts: the memory ledger, the
 saved-tensor bytes of the forward, and the strategies' own buffer meters.
 
-``payload_bytes`` are the bytes one rank's collectives carry in a step, per (group, kind), as
-the communication ledger counts them ([Note: communication ledger]): group ``"world"`` for the
-strategies over all ranks, HSDP's ``"shard"`` (inside a replica group, a node) and ``"replicate"``
-(across them, the inter-node link); ``intra_group_bytes`` and ``inter_group_bytes`` split them,
-and ``sent_bytes`` turns them into the bytes a rank sends under the ring model, in its group
-(``"intra"``) and across groups (``"inter"``): what a link carries.
+``payload_bytes`` are the bytes one rank's collectives carry in a step and ``calls`` their
+number, per (group, kind), as the communication ledger counts them ([Note: communication
+ledger]): group ``"world"`` for the strategies over all ranks, HSDP's ``"shard"`` (inside a
+replica group, a node) and ``"replicate"`` (across them, the inter-node link).
+``intra_group_bytes`` and ``inter_group_bytes`` split the payloads, and ``sent_bytes`` turns
+them into the bytes a rank sends under the ring model, in its group (``"intra"``) and across
+groups (``"inter"``): what a link carries.
 
 ``step_ms`` is the planned timeline of one step ([Note: strategy schedules]); ``tokens_per_s``
 is the global batch (all ranks) over it; ``fits`` is ``peak_bytes <= gpu_memory``.
@@ -54,6 +55,7 @@ class Prediction:
     compute_ms: float
     comm_ms: float
     payload_bytes: Dict[Tuple[str, str], int]
+    calls: Dict[Tuple[str, str], int]
     sent_bytes: Dict[str, float]
 
     @property
@@ -123,6 +125,7 @@ def plan(
             compute_ms=1e3 * step.compute_s,
             comm_ms=1e3 * step.comm_s,
             payload_bytes=step.payload_bytes,
+            calls=step.calls,
             sent_bytes=_sent_bytes(step.payload_bytes, world_size, replicas),
         )
     return out

@@ -71,6 +71,7 @@ class StepPlan:
     # (group, kind) -> payload bytes of one rank's collectives in the step, as the ledger counts
     # them ([Note: communication ledger]); group "world", or HSDP's "shard" / "replicate".
     payload_bytes: Dict[Tuple[str, str], int] = field(default_factory=dict)
+    calls: Dict[Tuple[str, str], int] = field(default_factory=dict)  # the same keys
 
 
 class _Collectives:
@@ -80,11 +81,13 @@ class _Collectives:
     def __init__(self, calibration: Calibration) -> None:
         self.calibration = calibration
         self.payload: Counter = Counter()
+        self.calls: Counter = Counter()
 
     def seconds(
         self, kind: str, nbytes: float, n: int, group: str = "world", inter_node: bool = False
     ) -> float:
         self.payload[group, kind] += int(nbytes)
+        self.calls[group, kind] += 1
         return collective_s(self.calibration, kind, nbytes, n, inter_node)
 
 
@@ -93,7 +96,7 @@ def _planned(tl: Timeline, comms: _Collectives, transient: float) -> StepPlan:
     cal = comms.calibration
     compute, comm = tl.busy("compute"), tl.busy("comm")
     seconds = cal.overlap * tl.seconds + (1 - cal.overlap) * max(tl.seconds, compute + comm)
-    return StepPlan(seconds, compute, comm, int(transient), dict(comms.payload))
+    return StepPlan(seconds, compute, comm, int(transient), dict(comms.payload), dict(comms.calls))
 
 
 def _ceil_to(n: int, k: int) -> int:
