@@ -13,19 +13,20 @@ UNITS = ("zero3", "fsdp")  # strategies whose cost is also per unit: probed twic
 
 
 class Probe(nn.Module):
-    """``layers`` tiny linear layers in ``layers / per_block`` blocks of a ``ModuleList``: the
-    auto units of FSDP and ZeRO-3 are its blocks."""
+    """``layers`` tiny layers, linear and layer norm in turn (a transformer's two kinds of
+    layer, whose wrapped forms cost differently), in ``layers / per_block`` blocks of a
+    ``ModuleList``: the auto units of FSDP and ZeRO-3 are its blocks."""
 
     def __init__(self, layers: int = 8, width: int = 8, per_block: int = 1) -> None:
         super().__init__()
         self.layers = layers
+        kinds = [
+            nn.Linear(width, width) if i % 2 == 0 else nn.LayerNorm(width) for i in range(layers)
+        ]
 
-        def block() -> nn.Module:
-            if per_block == 1:
-                return nn.Linear(width, width)
-            return nn.Sequential(*(nn.Linear(width, width) for _ in range(per_block)))
-
-        self.blocks = nn.ModuleList(block() for _ in range(layers // per_block))
+        self.blocks = nn.ModuleList(  # one type of block: the repeated blocks of unit_layout
+            nn.Sequential(*kinds[i : i + per_block]) for i in range(0, layers, per_block)
+        )
 
     @torch.no_grad()
     def init_parameter(self, name: str, tensor: torch.Tensor) -> None:
