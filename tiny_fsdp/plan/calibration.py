@@ -15,6 +15,9 @@ a datasheet, a paper). Fields:
   forward and backward, seconds per byte of activations kept for backward.
 - ``compute.layer_overhead_s``: fixed cost of running one layer forward and backward (kernel
   launches, Python, autograd), which FLOPs do not see; it dominates small models.
+- ``compute.wrapper_layer_s[strategy]`` and ``compute.wrapper_unit_s[strategy]`` (ZeRO-3,
+  FSDP): what each wrapper adds per layer and per unit beyond its collectives, fitted so that
+  the planner's schedule of a probe model reproduces its measured step ([Note: wrapper costs]).
 - ``collectives[kind][world_size] = {"alpha_s", "beta_s_per_byte"}``: the time of one collective
   of ``P`` payload bytes ([Note: communication ledger]) is ``alpha + beta * P`` (Hockney's
   alpha-beta model), fitted to measurements at a few sizes.

@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from tiny_fsdp.plan.calibration import KINDS, Calibration
-from tiny_fsdp.plan.probe import UNITS, WRAPPED, Probe, wrap_probe
+from tiny_fsdp.plan.probe import UNITS, WRAPPED, Probe, fit_wrapper_costs, wrap_probe
 
 DEFAULT_SIZES = (2**12, 2**16, 2**20, 2**24)  # payload bytes of the collectives timed
 DEFAULT_SHAPE = (2048, 1024, 4096)  # (rows, in, out) of the timed matrix product
@@ -51,11 +51,10 @@ class Calibrator:
     Benchmarks: matrix products of ``shape = (rows, in, out)`` (forward and both backward
     products); a LayerNorm + GELU forward and backward (elementwise work per activation byte);
     one AdamW step of 2^18 elements, and one of 32 tensors of 16 (its cost per tensor); a
-    forward and backward of 8 tiny linear layers (the fixed cost of a layer); the same probe
-    under each strategy with its default arguments (the wrapper's cost per layer beyond its
-    collectives, whose ``alpha`` the ledger's counts subtract), and for ZeRO-3 and FSDP also
-    with the same layers in half as many units, which separates their cost per unit (an
-    unshard, a summed reduction) from their cost per layer; every collective kind at each of
+    forward and backward of 8 tiny layers, linear and layer norm (the fixed cost of a layer);
+    the same probe under each strategy with its default arguments, and for ZeRO-3 and FSDP also
+    with the same layers in half as many units (``calibration_from`` turns them into each
+    wrapper's cost per layer and per unit, [Note: wrapper costs]); every collective kind at each of
     ``sizes`` payload bytes, back to back (in a step the ranks do not arrive together, as they
     do right after a barrier: on a shared CPU a rank that waits must be woken); an asynchronous
     all-reduce issued before the matrix products and waited for after them (``overlap``).
@@ -85,18 +84,9 @@ class Calibrator:
         self._probe_in = torch.randn(4, 8, device=device)
         self._samples: Dict[str, List[float]] = {}
         self._repeats: Dict[str, int] = {}  # runs per sustained sample (same on every rank)
-        # Warm-up, and each wrapper's collectives per probe step, by kind.
-        self._calls = {name: self._count_calls(name) for name in self._probes}
-
-    def _count_calls(self, name: str) -> Dict[str, int]:
-        from tiny_fsdp.core.comm import LEDGER
-
-        self._probe_step(name)
-        LEDGER.reset()
-        self._probe_step(name)
-        calls = dict(LEDGER.calls)
-        LEDGER.reset()
-        return calls
+        for name in self._probes:  # warm-up: the first steps build the optimizer state
+            self._probe_step(name)
+            self._probe_step(name)
 
     def _probe_step(self, name: str) -> None:
         model, optimizer = self._probes[name]
@@ -180,18 +170,10 @@ class Calibrator:
             points = [(float(k.split()[1]), v) for k, v in med.items() if k.split()[0] == kind]
             fits[kind] = _fit(points)
         layers = Probe().layers
-
-        def beyond_alphas(name: str) -> float:  # a probe's extra time beyond its collectives
-            calls = self._calls[name].items()
-            return med[f"extra {name}"] - sum(c * fits[k]["alpha_s"] for k, c in calls if k in fits)
-
-        wrapper, per_unit = {}, {}
-        for name in WRAPPED:
-            wrapper[name] = max(0.0, beyond_alphas(name) / layers)
-        for name in UNITS:  # layers L, units L and L / 2: extra = L * layer + units * unit
-            unit = max(0.0, (beyond_alphas(name) - beyond_alphas(f"{name} x2")) / (layers / 2))
-            per_unit[name] = unit
-            wrapper[name] = max(0.0, (beyond_alphas(f"{name} x2") - unit * layers / 2) / layers)
+        probe_s = {  # each wrapped probe's step: the plain one's plus the paired difference
+            name: med["probe plain"] + med[f"extra {name}"]
+            for name in WRAPPED + tuple(f"{u} x2" for u in UNITS)
+        }
         act_bytes = 2 * self._act.numel() * self._act.element_size()  # act and GELU's input
         compute = {
             "flops_per_s": 3 * 2 * rows * d_in * d_out / med["matmul"],
@@ -201,8 +183,7 @@ class Calibrator:
             ),
             "layer_overhead_s": med["probe plain"] / layers,
             "activation_s_per_byte": med["elementwise"] / act_bytes,
-            "wrapper_layer_s": wrapper,
-            "wrapper_unit_s": per_unit,
+            "probe_s": probe_s,  # turned into wrapper costs by calibration_from
             "overlap": _overlap(
                 self._repeats["matmul"] * med["matmul"], med["overlap comm"], med["overlap"]
             ),
@@ -307,7 +288,7 @@ def calibration_from(
         beta = ring["beta_s_per_byte"]
         bandwidth = (largest - 1) / largest / beta if beta > 0 else 1e12
     where = f"measured by tiny_fsdp.plan --calibrate on {socket.gethostname()}, {time.ctime()}"
-    return Calibration(
+    calibration = Calibration(
         name=name or f"measured-{backend}",
         backend=backend,
         flops_per_s=compute["flops_per_s"],
@@ -328,3 +309,6 @@ def calibration_from(
             "link": f"fitted to the all_gather of {largest} ranks (ring model)",
         },
     )
+    if "probe_s" in compute:
+        fit_wrapper_costs(calibration, compute["probe_s"], largest)
+    return calibration

@@ -1,6 +1,18 @@
 """The probe model of the calibration: tiny layers whose step time is the fixed cost of running
 a layer, plain and under each strategy's wrapper with its default arguments ([Note: calibration]).
+
+[Note: wrapper costs]
+A wrapper costs more than its collectives: hooks, copies into and out of flat buffers, Python.
+``fit_wrapper_costs`` charges it as the planner does, a cost per layer (``wrapper_layer_s``) and,
+for ZeRO-3 and FSDP, per unit (``wrapper_unit_s``), and picks the values for which the planner's
+own schedule of the probe step ([Note: strategy schedules]) takes the time measured: with two
+probes of the same layers in 8 and in 4 units for ZeRO-3 and FSDP, whose difference is the cost
+per unit. Whatever the schedule leaves out at the probe's scale (a collective waiting on a late
+rank, a wait that does not overlap) lands in these costs, consistently with how the planner
+uses them; a cost is never negative.
 """
+
+from typing import Callable, Dict
 
 import torch
 import torch.distributed as dist
@@ -10,6 +22,7 @@ WRAPPED = ("ddp", "zero1", "zero2", "zero3", "fsdp")
 
 
 UNITS = ("zero3", "fsdp")  # strategies whose cost is also per unit: probed twice
+PROBE_ROWS = 4  # rows of the probe's input: (PROBE_ROWS, width)
 
 
 class Probe(nn.Module):
@@ -64,3 +77,60 @@ def wrap_probe(strategy: str, device: torch.device, per_block: int = 1):
                       "zero2": (Zero2, Zero2AdamW)}[strategy]  # fmt: skip
     model = wrapper(plain)
     return model, optim(model.parameters())
+
+
+def _smallest_reaching(
+    f: Callable[[float], float], target: float, hi: float, grow: bool = True
+) -> float:
+    """The smallest ``x >= 0`` with ``f(x) >= target`` for a nondecreasing ``f`` (bisection);
+    0 if ``f(0)`` already reaches it. ``grow=False``: only up to ``hi``, and ``hi`` if
+    ``f(hi)`` falls short."""
+    if f(0.0) >= target:
+        return 0.0
+    while f(hi) < target:
+        if not grow:
+            return hi
+        hi *= 2
+    lo = 0.0
+    for _ in range(40):
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if f(mid) < target else (lo, mid)
+    return hi
+
+
+def fit_wrapper_costs(calibration, probe_s: Dict[str, float], world_size: int) -> None:
+    """Fill ``calibration.wrapper_layer_s`` / ``wrapper_unit_s`` from the measured probe steps
+    ``probe_s`` (``{strategy: s}``, and ``"<strategy> x2"`` for two layers per unit) on
+    ``world_size`` ranks ([Note: wrapper costs])."""
+    from tiny_fsdp.plan.model_costs import module_costs
+    from tiny_fsdp.plan.schedules import StepSetup, plan_step
+
+    with torch.device("meta"):
+        costs = {k: module_costs(Probe(per_block=k), name=f"probe x{k}") for k in (1, 2)}
+
+    def planned(name: str, per_block: int, layer_s: float, unit_s: float) -> float:
+        calibration.wrapper_layer_s[name] = layer_s
+        if name in UNITS:
+            calibration.wrapper_unit_s[name] = unit_s
+        setup = StepSetup(costs[per_block], calibration, world_size, PROBE_ROWS, 1, 4, 4)
+        return plan_step(name, setup).seconds
+
+    for name in WRAPPED:
+        measured = probe_s[name]
+        if name not in UNITS:
+            layer = _smallest_reaching(lambda x: planned(name, 1, x, 0.0), measured, measured)
+            planned(name, 1, layer, 0.0)
+            continue
+
+        # Per unit u: the layer cost that matches the 8-unit probe, then the u whose 4-unit
+        # probe matches too: a larger u leaves less to the layers, so the 4-unit probe's
+        # time falls, up to the u that leaves them nothing.
+        def layer_for(unit: float) -> float:
+            return _smallest_reaching(lambda x: planned(name, 1, x, unit), measured, measured)
+
+        def minus_x2(unit: float) -> float:
+            return -planned(name, 2, layer_for(unit), unit)
+
+        most = _smallest_reaching(lambda u: planned(name, 1, 0.0, u), measured, measured)
+        unit = _smallest_reaching(minus_x2, -probe_s[f"{name} x2"], most, grow=False)
+        planned(name, 1, layer_for(unit), unit)
