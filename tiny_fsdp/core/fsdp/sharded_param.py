@@ -16,6 +16,7 @@ part in every collective with a tensor of the common size, and nothing hangs.
 import math
 from collections import defaultdict
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import Any, Optional, Tuple
 
 import torch
@@ -34,7 +35,8 @@ class ShardedParam:
     """Geometry of one parameter's dim-0 shard on ``rank`` of ``world_size`` ranks.
 
     ``group``: the process group of those ranks (None: the default group; HSDP's shard group,
-    [Note: hybrid sharding]).
+    [Note: hybrid sharding]). Immutable, so the derived sizes are computed once (the unit
+    handlers read them for every tensor of every unshard).
     """
 
     full_shape: Tuple[int, ...]
@@ -42,35 +44,35 @@ class ShardedParam:
     world_size: int
     group: Optional[Any] = field(default=None, compare=False, repr=False)
 
-    @property
+    @cached_property
     def rows(self) -> int:
         return self.full_shape[0] if len(self.full_shape) else 1
 
-    @property
+    @cached_property
     def row_shape(self) -> Tuple[int, ...]:
         return tuple(self.full_shape[1:])
 
-    @property
+    @cached_property
     def row_numel(self) -> int:
         return math.prod(self.row_shape)
 
-    @property
+    @cached_property
     def numel(self) -> int:
         return self.rows * self.row_numel
 
-    @property
+    @cached_property
     def shard_rows(self) -> int:
         return -(-self.rows // self.world_size)  # ceil
 
-    @property
+    @cached_property
     def shard_shape(self) -> Tuple[int, ...]:
         return (self.shard_rows, *self.row_shape)
 
-    @property
+    @cached_property
     def shard_numel(self) -> int:
         return self.shard_rows * self.row_numel
 
-    @property
+    @cached_property
     def valid_rows(self) -> int:
         """Rows of this rank's shard that are real (the rest is padding); 0 <= valid <= shard."""
         return max(0, min(self.shard_rows, self.rows - self.rank * self.shard_rows))
