@@ -18,7 +18,14 @@ import torch.nn.functional as F
 from torch import nn
 
 from tiny_fsdp.plan.calibration import KINDS, Calibration
-from tiny_fsdp.plan.probe import UNITS, WRAPPED, Probe, fit_wrapper_costs, wrap_probe
+from tiny_fsdp.plan.probe import (
+    PROBE_ROWS,
+    UNITS,
+    WRAPPED,
+    Probe,
+    fit_wrapper_costs,
+    wrap_probe,
+)
 
 DEFAULT_SIZES = (2**12, 2**16, 2**20, 2**24)  # payload bytes of the collectives timed
 DEFAULT_SHAPE = (2048, 1024, 4096)  # (rows, in, out) of the timed matrix product
@@ -81,7 +88,7 @@ class Calibrator:
         self._probes = {name: wrap_probe(name, device) for name in ("plain",) + WRAPPED}
         for name in UNITS:  # the same layers in half as many units: per-unit cost apart
             self._probes[f"{name} x2"] = wrap_probe(name, device, per_block=2)
-        self._probe_in = torch.randn(4, 8, device=device)
+        self._probe_in = torch.randn(PROBE_ROWS, 8, device=device)  # Probe's default width
         self._samples: Dict[str, List[float]] = {}
         self._repeats: Dict[str, int] = {}  # runs per sustained sample (same on every rank)
         for name in self._probes:  # warm-up: the first steps build the optimizer state

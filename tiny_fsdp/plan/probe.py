@@ -18,6 +18,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from tiny_fsdp.plan.calibration import Calibration
+
 WRAPPED = ("ddp", "zero1", "zero2", "zero3", "fsdp")
 
 
@@ -87,10 +89,13 @@ def _smallest_reaching(
     ``f(hi)`` falls short."""
     if f(0.0) >= target:
         return 0.0
-    while f(hi) < target:
-        if not grow:
-            return hi
+    hi = max(hi, 1e-9)
+    for _ in range(200):  # f grows without bound in x here; 200 doublings is far past any step
+        if f(hi) >= target or not grow:
+            break
         hi *= 2
+    if f(hi) < target:
+        return hi
     lo = 0.0
     for _ in range(40):
         mid = (lo + hi) / 2
@@ -98,7 +103,7 @@ def _smallest_reaching(
     return hi
 
 
-def fit_wrapper_costs(calibration, probe_s: Dict[str, float], world_size: int) -> None:
+def fit_wrapper_costs(calibration: Calibration, probe_s: Dict[str, float], world_size: int) -> None:
     """Fill ``calibration.wrapper_layer_s`` / ``wrapper_unit_s`` from the measured probe steps
     ``probe_s`` (``{strategy: s}``, and ``"<strategy> x2"`` for two layers per unit) on
     ``world_size`` ranks ([Note: wrapper costs])."""
