@@ -236,6 +236,8 @@ def _worker(rank: int, world: int, port: int, use_cuda: bool, shape, sizes, queu
     device = torch.device("cuda", rank) if use_cuda else torch.device("cpu")
     if use_cuda:
         torch.cuda.set_device(device)
+    if world > 1 and "OMP_NUM_THREADS" not in os.environ:
+        torch.set_num_threads(1)  # as torchrun sets it for several processes on one machine
     dist.init_process_group("nccl" if use_cuda else "gloo", rank=rank, world_size=world)
     try:
         result = calibrate_in_group(device, shape, sizes)
