@@ -305,8 +305,6 @@ def calibration_from(
         optimizer_s_per_tensor=compute.get("optimizer_s_per_tensor", 0.0),
         layer_overhead_s=compute["layer_overhead_s"],
         activation_s_per_byte=compute["activation_s_per_byte"],
-        wrapper_layer_s=dict(compute.get("wrapper_layer_s", {})),
-        wrapper_unit_s=dict(compute.get("wrapper_unit_s", {})),
         comm_channels=2 if backend == "gloo" else 1,  # gloo's default worker threads
         overlap=compute.get("overlap", 1.0),
         latency_s=latency,
@@ -318,6 +316,5 @@ def calibration_from(
             "link": f"fitted to the all_gather of {largest} ranks (ring model)",
         },
     )
-    if "probe_s" in compute:
-        fit_wrapper_costs(calibration, compute["probe_s"], largest)
+    fit_wrapper_costs(calibration, compute["probe_s"], largest)  # [Note: wrapper costs]
     return calibration

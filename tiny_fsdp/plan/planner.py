@@ -19,9 +19,9 @@ saved-tensor bytes of the forward, and the strategies' own buffer meters.
 number, per (group, kind), as the communication ledger counts them ([Note: communication
 ledger]): group ``"world"`` for the strategies over all ranks, HSDP's ``"shard"`` (inside a
 replica group, a node) and ``"replicate"`` (across them, the inter-node link).
-``intra_group_bytes`` and ``inter_group_bytes`` split the payloads, and ``sent_bytes`` turns
-them into the bytes a rank sends under the ring model, in its group (``"intra"``) and across
-groups (``"inter"``): what a link carries.
+``inter_group_bytes`` is the payload across groups, and ``sent_bytes`` turns the payloads into
+the bytes a rank sends under the ring model, in its group (``"intra"``) and across groups
+(``"inter"``): what a link carries.
 
 ``step_ms`` is the planned timeline of one step ([Note: strategy schedules]); ``tokens_per_s``
 is the global batch (all ranks) over it; ``fits`` is ``peak_bytes <= gpu_memory``.
@@ -32,11 +32,10 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 from torch import nn
 
-from tiny_fsdp.core.comm import ring_bytes
 from tiny_fsdp.estimate import bytes_per_param, estimate_memory, estimate_model
 from tiny_fsdp.plan.calibration import Calibration
 from tiny_fsdp.plan.model_costs import ModelCosts, module_costs
-from tiny_fsdp.plan.schedules import StepSetup, plan_step
+from tiny_fsdp.plan.schedules import INTER_GROUP, StepSetup, plan_step
 
 STRATEGIES = ("ddp", "zero1", "zero2", "zero3", "fsdp")
 
@@ -61,12 +60,7 @@ class Prediction:
     @property
     def inter_group_bytes(self) -> int:
         """Payload of the collectives across HSDP's replica groups (0 for the others)."""
-        return sum(n for (group, _), n in self.payload_bytes.items() if group == "replicate")
-
-    @property
-    def intra_group_bytes(self) -> int:
-        """Payload of every other collective: inside a shard group, or over all ranks."""
-        return sum(self.payload_bytes.values()) - self.inter_group_bytes
+        return sum(n for (group, _), n in self.payload_bytes.items() if group == INTER_GROUP)
 
     def summary(self) -> Dict[str, object]:
         """The four figures of ``--json``."""
@@ -126,19 +120,12 @@ def plan(
             comm_ms=1e3 * step.comm_s,
             payload_bytes=step.payload_bytes,
             calls=step.calls,
-            sent_bytes=_sent_bytes(step.payload_bytes, world_size, replicas),
+            sent_bytes={
+                "intra": sum(n for g, n in step.sent_bytes.items() if g != INTER_GROUP),
+                "inter": step.sent_bytes.get(INTER_GROUP, 0.0),
+            },
         )
     return out
-
-
-def _sent_bytes(payloads: Dict[Tuple[str, str], int], world_size: int, replicas: int) -> Dict:
-    """``{"intra": ..., "inter": ...}`` bytes a rank sends ([Note: communication ledger])."""
-    sizes = {"world": world_size, "shard": world_size // replicas, "replicate": replicas}
-    sent = {"intra": 0.0, "inter": 0.0}
-    for (group, kind), nbytes in payloads.items():
-        where = "inter" if group == "replicate" else "intra"
-        sent[where] += sum(ring_bytes({kind: nbytes}, sizes[group]).values())
-    return sent
 
 
 def plan_model(

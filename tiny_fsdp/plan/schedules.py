@@ -36,6 +36,7 @@ from typing import Dict, List, Optional, Tuple
 
 import torch
 
+from tiny_fsdp.core.comm import ring_bytes
 from tiny_fsdp.plan.calibration import Calibration
 from tiny_fsdp.plan.collectives import collective_s
 from tiny_fsdp.plan.model_costs import ModelCosts
@@ -45,6 +46,7 @@ BUCKET_CAP_BYTES = 25 * 2**20  # DDP / ZeRO-1/2 default bucket_cap_mb
 ZERO3_PREFETCH = 2  # Zero3 default prefetch_limit
 FSDP_PREFETCH = 1  # FSDP default prefetch_limit
 IN_FLIGHT = 2  # asynchronous reductions in flight (reductions.py)
+INTER_GROUP = "replicate"  # HSDP's group across nodes; every other group is inside one
 
 
 @dataclass(frozen=True)
@@ -72,22 +74,26 @@ class StepPlan:
     # them ([Note: communication ledger]); group "world", or HSDP's "shard" / "replicate".
     payload_bytes: Dict[Tuple[str, str], int] = field(default_factory=dict)
     calls: Dict[Tuple[str, str], int] = field(default_factory=dict)  # the same keys
+    sent_bytes: Dict[str, float] = field(default_factory=dict)  # group -> ring-model bytes sent
 
 
 class _Collectives:
-    """The collectives of one planned step: each one's seconds ([Note: collective costs]) and
-    the payload bytes per (group, kind) they add up to."""
+    """The collectives of one planned step: each one's seconds ([Note: collective costs]), and
+    what they add up to per (group, kind): payload bytes and calls, and per group the bytes a
+    rank sends on a ring of the collective's ``n`` ranks ([Note: communication ledger])."""
 
     def __init__(self, calibration: Calibration) -> None:
         self.calibration = calibration
         self.payload: Counter = Counter()
         self.calls: Counter = Counter()
+        self.sent: Counter = Counter()
 
     def seconds(
         self, kind: str, nbytes: float, n: int, group: str = "world", inter_node: bool = False
     ) -> float:
         self.payload[group, kind] += int(nbytes)
         self.calls[group, kind] += 1
+        self.sent[group] += ring_bytes({kind: nbytes}, n)[kind]
         return collective_s(self.calibration, kind, nbytes, n, inter_node)
 
 
@@ -96,7 +102,9 @@ def _planned(tl: Timeline, comms: _Collectives, transient: float) -> StepPlan:
     cal = comms.calibration
     compute, comm = tl.busy("compute"), tl.busy("comm")
     seconds = cal.overlap * tl.seconds + (1 - cal.overlap) * max(tl.seconds, compute + comm)
-    return StepPlan(seconds, compute, comm, int(transient), dict(comms.payload), dict(comms.calls))
+    return StepPlan(
+        seconds, compute, comm, int(transient), *map(dict, (comms.payload, comms.calls, comms.sent))
+    )
 
 
 def _ceil_to(n: int, k: int) -> int:
@@ -303,7 +311,7 @@ def _unit_schedule(s: StepSetup, strategy: str) -> StepPlan:
             seconds = comms.seconds(reduce_kind, part * 4, n, group)
             if s.replicas > 1:  # then across the replica groups, over the inter-node link
                 seconds += comms.seconds(
-                    "all_reduce", numel[u] // n * 4, s.replicas, "replicate", inter_node=True
+                    "all_reduce", numel[u] // n * 4, s.replicas, INTER_GROUP, inter_node=True
                 )
             reductions.append(tl.add("comm", seconds, label=f"reduce unit {u}"))
     tl.wait(reductions)
