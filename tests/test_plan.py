@@ -36,6 +36,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from torch import nn
 
 from tests.harness import run_distributed
 from tiny_fsdp.models.gpt2 import GPT2Model, GPTConfig, GPTConfigs
@@ -44,6 +45,8 @@ from tiny_fsdp.plan.measure import Calibrator, calibration_from
 
 CONFIG = GPTConfig(block_size=64, vocab_size=256, n_layer=2, n_head=4, n_embd=64)
 BATCH, SEQ, STEPS = 8, 64, 15
+# Step time also on a model whose step is mostly matrix products and elementwise work.
+COMPUTE_BOUND = (GPTConfigs.gpt2_bytes, 8, 128)  # (config, batch, seq_len)
 MEMORY_TOLERANCE = 0.10  # the issue's bound; memory is counted, not sampled
 TIME_TOLERANCE = 0.25  # the issue's bound; medians absorb the shared machine's noise
 
@@ -75,7 +78,7 @@ def _transient_bytes(name, model) -> int:
     return 0
 
 
-def _build_all(rank, world):
+def _build_all(rank, world, config=CONFIG, batch=BATCH, seq=SEQ):
     from example.strategies import STRATEGIES as BUILD
     from tiny_fsdp.core.utils.dist import DistEnv
 
@@ -85,10 +88,10 @@ def _build_all(rank, world):
         evenness_priority=0.0,
     )  # fmt: skip
     torch.manual_seed(0)
-    built = {name: BUILD[name](lambda: GPT2Model(CONFIG), args, env) for name in STRATEGIES}
+    built = {name: BUILD[name](lambda: GPT2Model(config), args, env) for name in STRATEGIES}
     gen = torch.Generator().manual_seed(rank)
-    x = torch.randint(0, CONFIG.vocab_size, (BATCH, SEQ), generator=gen)
-    y = torch.randint(0, CONFIG.vocab_size, (BATCH, SEQ), generator=gen)
+    x = torch.randint(0, config.vocab_size, (batch, seq), generator=gen)
+    y = torch.randint(0, config.vocab_size, (batch, seq), generator=gen)
     return built, x, y
 
 
@@ -127,11 +130,11 @@ def _measured(world: int):
     return run_distributed(_measure, world, timeout=240)
 
 
-def _calibrate_and_time(rank, world):
+def _calibrate_and_time(rank, world, config, batch, seq):
     """The calibration of this machine as used, and each strategy's median step (ms)."""
-    shape = (BATCH * SEQ, CONFIG.n_embd, 4 * CONFIG.n_embd)  # the model's own matrix products
+    shape = (batch * seq, config.n_embd, 4 * config.n_embd)  # the model's own matrix products
     calibrator = Calibrator(torch.device("cpu"), shape, sizes=(2**10, 2**19))
-    built, x, y = _build_all(rank, world)
+    built, x, y = _build_all(rank, world, config, batch, seq)
     times = {name: [] for name in built}
     calibrator.sample()  # warm-up
     calibrator.reset()
@@ -141,7 +144,7 @@ def _calibrate_and_time(rank, world):
         for name, (model, optimizer) in order:
             dist.barrier()
             start = time.perf_counter()
-            F.cross_entropy(model(x).reshape(-1, CONFIG.vocab_size), y.reshape(-1)).backward()
+            F.cross_entropy(model(x).reshape(-1, config.vocab_size), y.reshape(-1)).backward()
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
             elapsed = torch.tensor([time.perf_counter() - start], dtype=torch.float64)
@@ -165,14 +168,14 @@ def memory_rows(world_sizes=(1, 2, 3, 4)):
     return rows
 
 
-def time_rows(world_sizes=(1, 2, 3, 4)):
+def time_rows(world_sizes=(1, 2, 3, 4), config=CONFIG, batch=BATCH, seq=SEQ):
     """``[(world, strategy, predicted ms, measured ms)]`` from a calibration of the same run."""
     rows = []
-    costs = gpt2_costs(CONFIG, "test model")
+    costs = gpt2_costs(config, "test model")
     for world in world_sizes:
-        results = run_distributed(_calibrate_and_time, world, timeout=240)
+        results = run_distributed(_calibrate_and_time, world, config, batch, seq, timeout=240)
         calibration = calibration_from({world: results[0][0]}, "gloo")
-        predicted = plan(costs, calibration, world, BATCH, SEQ)
+        predicted = plan(costs, calibration, world, batch, seq)
         for name in STRATEGIES:
             rows.append((world, name, predicted[name].step_ms, results[0][1][name]))
     return rows
@@ -229,7 +232,7 @@ def test_planner_predicts_the_bytes_and_calls_of_every_collective_exactly():
 def test_planner_predicts_step_time_within_25_percent():
     """A timing check, so not in the default run (``pytest -m timing tests/test_plan.py``):
     its outcome depends on the machine's load ([Note: planner validation])."""
-    rows = time_rows()
+    rows = time_rows() + time_rows((1, 2), *COMPUTE_BOUND)
     print("\n" + format_rows(rows, "ms"))
     misses = [r for r in rows if abs(r[2] / r[3] - 1) > TIME_TOLERANCE]
     assert not misses, "out of tolerance:\n" + format_rows(rows, "ms")
@@ -275,6 +278,48 @@ def test_plan_model_reads_any_module():
     assert plans["fsdp"].model_state_bytes < plans["zero2"].model_state_bytes
     assert plans["zero2"].model_state_bytes < plans["ddp"].model_state_bytes
     assert plans["ddp"].activation_bytes > 0
+
+
+def test_calibrate_measures_at_the_shape_of_the_model_it_is_given(monkeypatch, tmp_path):
+    """The rates depend on the shape ([Note: calibration]), so ``--calibrate`` times the matrix
+    products and the elementwise work at the planned model's: a rank's tokens by the widest
+    matrix product of a block. The file keeps the shape, and a plan for a model of another
+    shape says so."""
+    from tiny_fsdp.plan import __main__ as cli
+    from tiny_fsdp.plan import measure
+
+    asked = []
+
+    def fake_calibrate(world_sizes, shape):  # the machine is not measured here
+        asked.append(tuple(shape))
+        return dataclasses.replace(load_calibration("a100_sxm"), shape=tuple(shape))
+
+    monkeypatch.setattr(measure, "calibrate", fake_calibrate)
+    path = str(tmp_path / "machine.json")
+    cli.main(["--calibrate", path, "--model", "gpt2_bytes", "--batch_size", "8",
+              "--seq_len", "128"])  # fmt: skip
+    assert asked == [(8 * 128, 128, 4 * 128)]  # (B T, C, 4 C): the MLP's c_fc
+    assert load_calibration(path).shape == (1024, 128, 512)
+    same = ["--calibration", path, "--model", "gpt2_bytes", "--batch_size", "8", "--seq_len"]
+    assert "measured at" not in cli.main(same + ["128"])
+    assert "measured at" not in cli.main(same + ["64"])  # half the rows: close enough
+    other = cli.main(["--calibration", path, "--model", "gpt2", "--seq_len", "1024"])
+    assert "measured at matrix products of (1024, 128, 512)" in other
+    assert "this model's are (8192, 768, 3072)" in other
+
+
+def test_the_calibration_shape_of_any_module_is_its_widest_block_product():
+    """Inside the repeated blocks if there are any (not a vocabulary-wide head), else the widest
+    non-embedding weight; ``(in, out)`` as (smaller, larger) dimension; rows capped at 8192."""
+    from tiny_fsdp.plan import module_costs
+
+    blocks = nn.ModuleList(
+        nn.Sequential(nn.Linear(6, 20), nn.GELU(), nn.Linear(20, 6)) for _ in range(2)
+    )
+    with_blocks = nn.Sequential(nn.Embedding(500, 6), blocks, nn.Linear(6, 500))
+    assert module_costs(with_blocks).calibration_shape(64) == (64, 6, 20)
+    flat = nn.Sequential(nn.Embedding(500, 6), nn.Linear(6, 30), nn.Linear(30, 6))
+    assert module_costs(flat).calibration_shape(10**6) == (8192, 6, 30)
 
 
 def test_hsdp_step_time_follows_the_inter_node_link():

@@ -3,10 +3,12 @@
     python -m tiny_fsdp.plan --model gpt2_xl --world_size 64 --gpu_memory 80GiB --batch_size 8 \\
         --seq_len 1024 --precision bf16 [--grad_ckpt] [--calibration FILE] [--json]
     python -m tiny_fsdp.plan --num_params 7e9 --n_layer 32 --world_size 16 ...
-    python -m tiny_fsdp.plan --calibrate my_machine.json [--calibrate_world_sizes 1 2]
+    python -m tiny_fsdp.plan --calibrate my_machine.json --model gpt2 --batch_size 8 \\
+        --seq_len 1024 [--calibrate_world_sizes 1 2]
 
 ``--batch_size`` is per rank; ``--calibration`` is a preset name (``h100_sxm``, ``a100_sxm``) or
-a file written by ``--calibrate``; ``--hsdp R`` adds HSDP with ``R`` replica groups.
+a file written by ``--calibrate``, which measures at the shape of the model, batch and sequence
+length it is given ([Note: calibration]); ``--hsdp R`` adds HSDP with ``R`` replica groups.
 """
 
 import argparse
@@ -119,10 +121,12 @@ def main(argv: Optional[Sequence[str]] = None) -> str:
     parser.add_argument("--calibrate", default=None, metavar="FILE", help="measure, write FILE")
     parser.add_argument("--calibrate_world_sizes", type=int, nargs="+", default=[1, 2])
     args = parser.parse_args(argv)
+    costs, states = _model(args)
+    shape = costs.calibration_shape(args.batch_size * args.seq_len)
     if args.calibrate is not None:
         from tiny_fsdp.plan.measure import calibrate
 
-        calibration = calibrate(args.calibrate_world_sizes)
+        calibration = calibrate(args.calibrate_world_sizes, shape=shape)
         save_calibration(calibration, args.calibrate)
         text = f"wrote {args.calibrate}:\n{json.dumps(calibration.to_dict(), indent=2)}"
         print(text)
@@ -130,7 +134,6 @@ def main(argv: Optional[Sequence[str]] = None) -> str:
     calibration = load_calibration(args.calibration)
     if args.inter_node_bandwidth is not None:
         calibration.inter_node_bandwidth_bytes_per_s = args.inter_node_bandwidth * 1e9
-    costs, states = _model(args)
     plans = plan(
         costs, calibration, args.world_size, args.batch_size, args.seq_len, args.precision,
         args.optimizer, args.grad_ckpt, args.gpu_memory, args.hsdp, states,
@@ -144,6 +147,13 @@ def main(argv: Optional[Sequence[str]] = None) -> str:
             f"{', gradient checkpointing' if args.grad_ckpt else ''}; calibration "
             f"{calibration.name}\n\n" + format_plan(plans)
         )
+        measured_at = calibration.shape or shape  # a preset: no shape
+        if any(max(a, b) > 2 * min(a, b) for a, b in zip(shape, measured_at)):
+            text += (
+                f"\n\nThe calibration was measured at matrix products of {calibration.shape} "
+                f"(rows, in, out); this model's are {shape}, and the rates depend on the shape: "
+                f"--calibrate FILE with this --model, --batch_size and --seq_len measures them."
+            )
     print(text)
     return text
 

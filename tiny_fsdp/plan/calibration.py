@@ -7,7 +7,11 @@ a datasheet, a paper). Fields:
 - ``backend``: ``"nccl"`` or ``"gloo"``: ZeRO-1/2 on gloo replace their reduce-scatter by an
   all-reduce and their all-gather by one broadcast per rank ([Note: ZeRO collectives on gloo]).
 - ``compute.flops_per_s``: the matrix-product rate of one rank *while every rank computes* (on a
-  shared CPU that is the honest rate), at the shapes given in ``compute.shape``.
+  shared CPU that is the honest rate), at ``compute.shape`` = ``(rows, in, out)``: ``--calibrate``
+  takes the shape of the model it is given (``ModelCosts.calibration_shape``), because the rates
+  depend on it: on the 2-core development machine, elementwise work on a (1024, 512) tensor
+  cost 0.9e-9 s/byte and on a (2048, 4096) one 2.4e-9 (fresh pages for each large
+  allocation), and matrix products ran at 47-62 against 66-79 GFLOP/s.
 - ``compute.optimizer_s_per_param``: one optimizer step (tiny_fsdp AdamW), seconds per element,
   and ``compute.optimizer_s_per_tensor`` its fixed cost per tensor (AdamW updates tensor by
   tensor: a dozen small operations each, which a model of many small tensors feels).
@@ -36,7 +40,7 @@ measured here. Edit either: the planner reads nothing else about the machine.
 import json
 import os
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Tuple
 
 PRESET_DIR = os.path.join(os.path.dirname(__file__), "presets")
 KINDS = ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "reduce")
@@ -63,6 +67,7 @@ class Calibration:
     comm_channels: int = 1
     collectives: Dict[str, Dict[int, Dict[str, float]]] = field(default_factory=dict)
     sources: Dict[str, str] = field(default_factory=dict)
+    shape: Optional[Tuple[int, int, int]] = None  # (rows, in, out) measured at; None: a preset
 
     @classmethod
     def from_dict(cls, data: Dict[str, Any]) -> "Calibration":
@@ -92,6 +97,7 @@ class Calibration:
             optimizer_s_per_tensor=float(compute.get("optimizer_s_per_tensor", 0.0)),
             collectives=collectives,
             sources=dict(data.get("sources", {})),
+            shape=tuple(compute["shape"]) if compute.get("shape") else None,
         )
 
     def to_dict(self) -> Dict[str, Any]:
@@ -107,6 +113,7 @@ class Calibration:
                 "wrapper_layer_s": self.wrapper_layer_s,
                 "wrapper_unit_s": self.wrapper_unit_s,
                 "overlap": self.overlap,
+                "shape": list(self.shape) if self.shape else None,
             },
             "link": {
                 "latency_s": self.latency_s,

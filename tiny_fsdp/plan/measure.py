@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from tiny_fsdp.plan.calibration import KINDS, Calibration
+from tiny_fsdp.plan.model_costs import ModelCosts
 from tiny_fsdp.plan.probe import (
     PROBE_ROWS,
     UNITS,
@@ -28,7 +29,7 @@ from tiny_fsdp.plan.probe import (
 )
 
 DEFAULT_SIZES = (2**12, 2**16, 2**20, 2**24)  # payload bytes of the collectives timed
-DEFAULT_SHAPE = (2048, 1024, 4096)  # (rows, in, out) of the timed matrix product
+DEFAULT_SHAPE = (2048, *ModelCosts.matmul_shape)  # (rows, in, out) when no model is given
 SMALL_TENSORS = 32  # AdamW over this many 16-element tensors: the cost per tensor
 SAMPLE_S = 0.02  # a compute sample runs its benchmark back to back for about this long
 
@@ -191,6 +192,7 @@ class Calibrator:
             "layer_overhead_s": med["probe plain"] / layers,
             "activation_s_per_byte": med["elementwise"] / act_bytes,
             "probe_s": probe_s,  # turned into wrapper costs by calibration_from
+            "shape": list(self.shape),
             "overlap": _overlap(
                 self._repeats["matmul"] * med["matmul"], med["overlap comm"], med["overlap"]
             ),
@@ -310,8 +312,9 @@ def calibration_from(
         latency_s=latency,
         bandwidth_bytes_per_s=bandwidth,
         collectives=collectives,
+        shape=tuple(compute["shape"]),
         sources={
-            "compute": f"{where}; {largest} ranks computing at once",
+            "compute": f"{where}; {largest} ranks computing at once, shape {compute['shape']}",
             "collectives": f"{where}; world sizes {sorted(per_world)}",
             "link": f"fitted to the all_gather of {largest} ranks (ring model)",
         },

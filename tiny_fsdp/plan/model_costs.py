@@ -35,13 +35,15 @@ tensors of one forward on the ``meta`` device (no memory, no compute); attention
 
 import copy
 from dataclasses import dataclass, field
-from typing import Dict, List, Optional
+from typing import Dict, List, Optional, Tuple
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from tiny_fsdp.models.gpt2 import GPT2Model, GPTConfig
+
+MAX_CALIBRATION_ROWS = 8192
 
 
 @dataclass(frozen=True)
@@ -62,6 +64,8 @@ class ModelCosts:
         ckpt_per_token: the same with gradient checkpointing; None if the model cannot.
         block_per_token: one block's ``(elements, fixed bytes)`` (recomputed under checkpointing).
         rows: dim-0 size per tensor (1 for a scalar); empty: a tensor's rows are its elements.
+        matmul_shape: ``(in, out)`` of the widest matrix product in a block (GPT-2: the MLP's
+            ``(C, 4 C)``), where ``--calibrate`` measures this model's rates.
     """
 
     name: str
@@ -75,6 +79,7 @@ class ModelCosts:
     ckpt_per_token: Optional[tuple] = None
     block_per_token: tuple = (0, 0)
     rows: List[int] = field(default_factory=list)
+    matmul_shape: Tuple[int, int] = (1024, 4096)
 
     @property
     def num_params(self) -> int:
@@ -86,6 +91,12 @@ class ModelCosts:
         numel = self.tensors[tensor]
         rows = self.rows[tensor] if self.rows else numel
         return -(-rows // shards) * shards * (numel // rows if rows else 0)
+
+    def calibration_shape(self, tokens: int) -> Tuple[int, int, int]:
+        """``(rows, in, out)`` of the matrix product (and, ``(rows, out)``, the elementwise work)
+        that calibrates this model's rates ([Note: calibration]): a rank's tokens as rows, at
+        most ``MAX_CALIBRATION_ROWS`` (the rates change little beyond)."""
+        return (min(tokens, MAX_CALIBRATION_ROWS), *self.matmul_shape)
 
     def flops(self, tokens: int, seq_len: int) -> float:
         """Forward + backward FLOPs of ``tokens`` tokens in sequences of ``seq_len``."""
@@ -106,7 +117,9 @@ class ModelCosts:
 
 
 def _layers_and_tensors(model: nn.Module):
-    """Distinct tensors, each layer's tensor indices, and the auto gather units."""
+    """Distinct tensors, each layer's tensor indices, the auto gather units, and the widest
+    matrix product's ``(in, out)`` (of the first block if there are blocks; in, out: the smaller
+    and larger dimension of its weight)."""
     from tiny_fsdp.core.unit_layout import repeated_blocks
 
     index: Dict[int, int] = {}
@@ -136,14 +149,23 @@ def _layers_and_tensors(model: nn.Module):
     for p in model.parameters():
         units[in_block.get(id(p), -1) + 1].append(index[id(p)])
     units = [u for u in units if u] if blocks else [[i] for layer in layers for i in layer]
-    return tensors, rows, layers, units, layer_matmul
+    weights = [
+        p.shape
+        for m in (blocks[0] if blocks else model).modules()
+        if not isinstance(m, nn.Embedding)
+        for p in m.parameters(recurse=False)
+        if p.dim() == 2
+    ]
+    widest = max(weights, key=lambda shape: shape.numel(), default=None)
+    matmul_shape = (min(widest), max(widest)) if widest else ModelCosts.matmul_shape
+    return tensors, rows, layers, units, layer_matmul, matmul_shape
 
 
 def gpt2_costs(config: GPTConfig, name: str = "gpt2") -> ModelCosts:
     """``ModelCosts`` of ``GPT2Model(config)``, built on ``meta`` ([Note: model costs])."""
     with torch.device("meta"):
         model = GPT2Model(config)
-    tensors, rows, layers, units, layer_matmul = _layers_and_tensors(model)
+    tensors, rows, layers, units, layer_matmul, matmul_shape = _layers_and_tensors(model)
     c, v, h = config.n_embd, config.vocab_size, config.n_head
     per_layer = 12 * c * c  # c_attn 3 C^2, c_proj C^2, c_fc 4 C^2, c_proj 4 C^2
     block = (16 * c, 4 * 4 + 4 * h)
@@ -161,6 +183,7 @@ def gpt2_costs(config: GPTConfig, name: str = "gpt2") -> ModelCosts:
         ckpt_per_token=(n * c + head[0], head[1]),
         block_per_token=block,
         rows=rows,
+        matmul_shape=matmul_shape,
     )
 
 
@@ -174,14 +197,15 @@ def module_costs(
     config = getattr(model, "config", None)
     if isinstance(model, GPT2Model) and isinstance(config, GPTConfig):
         return gpt2_costs(config, name)
-    tensors, rows, layers, units, layer_matmul = _layers_and_tensors(model)
+    tensors, rows, layers, units, layer_matmul, matmul_shape = _layers_and_tensors(model)
     matmul = sum(layer_matmul)
     act = (0, 0)
     if example_input is not None:
         act = (0, _meta_saved_bytes(model, example_input) / example_input.numel())
     return ModelCosts(
-        name, tensors, layers, units, layer_matmul, matmul, 0, act, None, (0, 0), rows
-    )
+        name, tensors, layers, units, layer_matmul, matmul, 0, act, None, (0, 0), rows,
+        matmul_shape,
+    )  # fmt: skip
 
 
 def _meta_saved_bytes(model: nn.Module, example_input: torch.Tensor) -> int:
