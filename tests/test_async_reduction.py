@@ -312,33 +312,3 @@ def test_finalize_sums_a_backwards_parts_then_accumulates_like_autograd() -> Non
     expected = torch.full((3,), 0.1) + ((parts[0] + parts[1]) + parts[2])
     assert torch.equal(param.grad, expected)
     assert reductions.stats.live_bytes == 0 and reductions.stats.peak_in_flight == 2
-
-
-def test_a_synchronous_launch_issues_its_collectives_together_then_waits_for_all() -> None:
-    """On CPU, ``issue(..., async_op=False)`` starts every collective of the launch before it
-    waits for any (a ZeRO-3 unit's broadcast per owner run at once on gloo's threads), and
-    returns only once all are done."""
-    events: List[str] = []
-
-    class Work:
-        def __init__(self, name: str) -> None:
-            self.name, self.done = name, False
-
-        def wait(self) -> None:
-            events.append(f"wait {self.name}")
-            self.done = True
-
-        def is_completed(self) -> bool:
-            return self.done
-
-    def launch(async_op: bool) -> List[Work]:
-        events.append(f"launch async_op={async_op}")
-        return [Work("a"), Work("b")]
-
-    streams = CommStreams()
-    handle = streams.issue("gather", launch, async_op=False)
-    assert events == ["launch async_op=True", "wait a", "wait b"]
-    assert streams.is_done(handle)
-    events.clear()
-    handle = streams.issue("gather", launch, async_op=True)
-    assert events == ["launch async_op=True"] and not streams.is_done(handle)

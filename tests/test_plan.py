@@ -12,7 +12,8 @@ changes hit them alike. The planner's prediction from that calibration is compar
   hooks; parameters excluded), plus the strategy's transient buffers at their peak as its own
   meters report them (FSDP ``memory_stats()``: gathered units and reductions in flight; ZeRO-3
   ``fetch_stats`` and ``reduce_stats``; ZeRO-2's staging buffers: its two largest layout
-  buckets, which is how ``StagedGradShard`` allocates them); the largest rank. Within 10 %.
+  buckets that need one, which is how ``StagedGradShard`` allocates them); the largest rank.
+  Within 10 %.
   The reduction meters count a reduced gradient until the end of backward even when it becomes
   ``.grad`` ([Note: asynchronous reduction]), which the ledger counts too; the planner predicts
   the inputs in flight only, so ZeRO-3 and FSDP measure up to one gradient shard more.
@@ -72,9 +73,10 @@ def _transient_bytes(name, model) -> int:
         return stats["peak_gathered_bytes"] + stats["peak_reduce_bytes"]
     if name == "zero3":
         return model.fetch_stats.peak_bytes + model.reduce_stats.peak_bytes
-    if name == "zero2":
-        sizes = sorted(b.numel for b in model.layout.buckets)
-        return sum(sizes[-2:]) * next(model.parameters()).element_size()
+    if name == "zero2":  # a bucket of one unpadded parameter stages in its gradient
+        layout = model.layout
+        staged = [b.numel for b in layout.buckets if layout.slots[b.slots[0]].numel != b.numel]
+        return sum(sorted(staged)[-2:]) * next(model.parameters()).element_size()
     return 0
 
 

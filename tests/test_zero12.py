@@ -19,7 +19,7 @@ from tests.harness import run_distributed
 from tests.parity import PARAM_ATOL, check_parity, global_batch, lm_loss, local_slice, make_model
 from tiny_fsdp.core.comm import LEDGER
 from tiny_fsdp.core.module import convert_module
-from tiny_fsdp.core.zero import FlatLayout, Zero1AdamW, Zero2, Zero2SGD
+from tiny_fsdp.core.zero import FlatLayout, StagedGradShard, Zero1AdamW, Zero2, Zero2SGD
 
 WORLD_SIZES = [1, 2, 3, 4]
 TINY_BUCKET_MB = 0.002  # ~500 fp32 elements: gpt2_tiny (10062 parameters) makes ~20 buckets
@@ -605,3 +605,25 @@ def _errors_worker(rank: int, world_size: int) -> None:
 
 def test_misuse_raises_clear_errors() -> None:
     run_distributed(_errors_worker, 2)
+
+
+def test_a_bucket_of_one_unpadded_parameter_stages_in_its_gradient() -> None:
+    """ZeRO-2's hook divides such a gradient by N in place and reduces it as it is: no staging
+    buffer, no copy. A bucket of several parameters, or one that needs padding, gets a buffer,
+    counted by ``staging_bytes`` (``Zero2.transient_bytes()``) until its reduction finishes."""
+    whole, padded, small_a, small_b = (nn.Parameter(torch.randn(n)) for n in (6, 5, 1, 2))
+    params = [small_a, small_b, padded, whole]  # buckets (cap 3): [a, b], [padded], [whole]
+    layout = FlatLayout([p.shape for p in params], world_size=2, bucket_cap_numel=3)
+    assert [b.slots for b in layout.buckets] == [(0, 1), (2,), (3,)]
+    store = StagedGradShard(params, layout, torch.float32, torch.device("cpu"), 0)
+    for p in params:
+        p.grad = torch.ones_like(p)
+    grad = whole.grad
+    store.add(3, whole)
+    assert whole.grad is None and store.staging_bytes == 0
+    assert torch.equal(grad, torch.full((6,), 0.5))  # the gradient / N, in place
+    store.add(2, padded)  # 5 elements padded to 6
+    store.add(0, small_a)
+    assert store.staging_bytes == (6 + 4) * 4  # [a, b]: 3 elements padded to 4
+    store.reset()
+    assert store.staging_bytes == 0

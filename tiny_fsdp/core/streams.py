@@ -10,9 +10,7 @@ one verb set, written once for both devices:
   has waited for the work already queued on the caller's (compute) stream, so it reads finished
   inputs; the side stream then waits for the collective (``work.wait()`` on a CUDA work orders
   the current stream after it, the host does not block) and records an event. On CPU the
-  collectives run on the process group's threads, and ``async_op=False`` waits for them before
-  returning: the collectives of one launch (a ZeRO-3 unit's broadcast per owner) run at once,
-  not one after the other.
+  collective runs on the process group's thread (``async_op=True``) or at once.
 - ``wait(handle)``: make the caller's stream wait for the event (CUDA, no host synchronisation),
   or the host wait for the work (CPU). After it the outputs can be read and the inputs freed.
 
@@ -62,10 +60,7 @@ class CommStreams:
     uses_streams = False
 
     def issue(self, kind: str, launch: Launch, async_op: bool) -> CommHandle:
-        handle = CommHandle(works=_works(launch(True)))
-        if not async_op:
-            self.wait(handle)
-        return handle
+        return CommHandle(works=_works(launch(async_op)))
 
     def wait(self, handle: CommHandle) -> None:
         for work in handle.works:

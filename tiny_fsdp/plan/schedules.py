@@ -10,7 +10,8 @@ One rank's step, with the defaults of ``DDP``, ``Zero1/2``, ``Zero3`` and ``FSDP
 - ZeRO-1 / ZeRO-2: the same buckets (padded to ``N``), each reduce-scattered (gloo: all-reduced);
   ZeRO-2 keeps one reduction in flight, so a second full bucket waits for the first; the optimizer
   updates ``1 / N`` of the parameters, then each bucket is all-gathered (gloo: ``N`` broadcasts).
-  ZeRO-2's staging buffers (the bucket being reduced and the one filling) are transient memory.
+  ZeRO-2's staging buffers (the bucket being reduced and the one filling; a bucket of one
+  unpadded tensor stages in its gradient) are transient memory.
 - ZeRO-3 and FSDP (``unit="auto"``: the blocks, and a root unit with the other layers): the
   root unit is unsharded at the start and kept until the end of backward (full through the
   forward, and the first unit of the backward); each block is unsharded before its forward
@@ -232,8 +233,10 @@ def _bucketed(s: StepSetup, zero_stage: int) -> StepPlan:
                 gathers.append(tl.add("comm", seconds))
         tl.wait(gathers)
     transient = 0
-    if zero_stage == 2:  # staging: the bucket reduced and the one filling
-        transient = sum(sorted(buckets)[-2:]) * s.param_bytes
+    if zero_stage == 2:  # staging: the bucket reduced and the one filling, except a bucket
+        # of one unpadded tensor, which stages in its own gradient
+        staged = [b for m, b in zip(members, buckets) if s.costs.tensors[m[0]] != b]
+        transient = sum(sorted(staged)[-2:]) * s.param_bytes
     return _planned(tl, comms, transient)
 
 

@@ -61,7 +61,7 @@ def adamw_update_(
     if amsgrad:
         torch.maximum(state["max_exp_avg_sq"], exp_avg_sq, out=state["max_exp_avg_sq"])
         second_moment = state["max_exp_avg_sq"]
-    denom = (second_moment.sqrt() / bias_correction2_sqrt).add_(eps)
+    denom = second_moment.sqrt().div_(bias_correction2_sqrt).add_(eps)  # one temporary
     param.addcdiv_(exp_avg, denom, value=-lr / bias_correction1)
 
 

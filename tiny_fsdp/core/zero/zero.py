@@ -228,3 +228,10 @@ class Zero2(ZeroWrapper):
     """ZeRO-2: replicated parameters; gradients and optimizer state / master are sharded."""
 
     grad_store = StagedGradShard
+
+    def transient_bytes(self) -> Dict[str, int]:
+        """Bytes of gradient staging buffers alive now ([Note: ZeRO gradient stores]; read at
+        every compute boundary of a traced step, ``tiny_fsdp/trace``)."""
+        store = self._grads
+        assert isinstance(store, StagedGradShard)
+        return {"staging": store.staging_bytes}
