@@ -363,27 +363,30 @@ def test_the_tensors_each_strategy_updates_are_the_planned_ones():
 
 
 def test_wrapper_costs_are_fitted_so_the_planner_reproduces_the_probe_steps():
-    """[Note: wrapper costs]: probe step times made by the planner itself from known costs per
-    layer and per unit are turned back into those costs, on 2 and 4 ranks."""
+    """[Note: wrapper costs]: what each wrapper adds to the probe's plain step, made by the
+    planner itself from known costs per layer and per unit, is turned back into those costs,
+    on 2 and 4 ranks."""
     from tiny_fsdp.plan.model_costs import module_costs
-    from tiny_fsdp.plan.probe import PROBE_ROWS, UNITS, WRAPPED, Probe, fit_wrapper_costs
-    from tiny_fsdp.plan.schedules import StepSetup, plan_step
+    from tiny_fsdp.plan.probe import UNITS, WRAPPED, Probe, fit_wrapper_costs, wide_dims
+    from tiny_fsdp.plan.schedules import StepSetup, plain_step_seconds, plan_step
 
     layer_s = {"ddp": 1e-4, "zero1": 2e-4, "zero2": 3e-4, "zero3": 1.5e-4, "fsdp": 2.5e-4}
     unit_s = {"zero3": 5e-4, "fsdp": 8e-4}
+    rows, width = dims = wide_dims((BATCH * SEQ, CONFIG.n_embd, 4 * CONFIG.n_embd))
     with torch.device("meta"):
-        costs = {k: module_costs(Probe(per_block=k)) for k in (1, 2)}
+        costs = {k: module_costs(Probe(width=width, per_block=k)) for k in (1, 2)}
     for world in (2, 4):
         known = dataclasses.replace(
             load_calibration("a100_sxm"), backend="gloo", comm_channels=2, overlap=0.0,
             wrapper_layer_s=layer_s, wrapper_unit_s=unit_s,
         )  # fmt: skip
-        probe_s = {}
+        plain = plain_step_seconds(StepSetup(costs[1], known, 1, rows, 1, 4, 4))
+        extra_s = {}
         for name in WRAPPED:
             for k in (1, 2) if name in UNITS else (1,):
-                setup = StepSetup(costs[k], known, world, PROBE_ROWS, 1, 4, 4)
-                probe_s[name if k == 1 else f"{name} x2"] = plan_step(name, setup).seconds
+                setup = StepSetup(costs[k], known, world, rows, 1, 4, 4)
+                extra_s[name if k == 1 else f"{name} x2"] = plan_step(name, setup).seconds - plain
         fitted = dataclasses.replace(known, wrapper_layer_s={}, wrapper_unit_s={})
-        fit_wrapper_costs(fitted, probe_s, world)
+        fit_wrapper_costs(fitted, extra_s, dims, world)
         assert fitted.wrapper_layer_s == pytest.approx(layer_s, rel=1e-6)
         assert fitted.wrapper_unit_s == pytest.approx(unit_s, rel=1e-6)

@@ -25,6 +25,7 @@ from tiny_fsdp.plan.probe import (
     WRAPPED,
     Probe,
     fit_wrapper_costs,
+    wide_dims,
     wrap_probe,
 )
 
@@ -60,9 +61,10 @@ class Calibrator:
     products); a LayerNorm + GELU forward and backward (elementwise work per activation byte);
     one AdamW step of 2^18 elements, and one of 32 tensors of 16 (its cost per tensor); a
     forward and backward of 8 tiny layers, linear and layer norm (the fixed cost of a layer);
-    the same probe under each strategy with its default arguments, and for ZeRO-3 and FSDP also
-    with the same layers in half as many units (``calibration_from`` turns them into each
-    wrapper's cost per layer and per unit, [Note: wrapper costs]); every collective kind at each of
+    the same probe with layers of about the model's scale (``wide_dims``), plain and under each
+    strategy with its default arguments, and for ZeRO-3 and FSDP also with the same layers in
+    half as many units (``calibration_from`` turns what each wrapper adds into its cost per
+    layer and per unit, [Note: wrapper costs]); every collective kind at each of
     ``sizes`` payload bytes, back to back (in a step the ranks do not arrive together, as they
     do right after a barrier: on a shared CPU a rank that waits must be woken); an asynchronous
     all-reduce issued before the matrix products and waited for after them (``overlap``).
@@ -86,10 +88,18 @@ class Calibrator:
         for p in self._small:
             p.grad = torch.ones_like(p)
         self._adamw_small = AdamW(self._small, lr=1e-3)  # its fixed cost per tensor
-        self._probes = {name: wrap_probe(name, device) for name in ("plain",) + WRAPPED}
+        # [Note: wrapper costs]: tiny layers for the fixed cost of a layer ("plain"), layers
+        # of about the model's scale for what each wrapper adds (paired with "plain wide").
+        self.wide = wide_dims(shape)
+        rows_wide, width = self.wide
+        self._probes = {"plain": wrap_probe("plain", device)}
+        self._probes["plain wide"] = wrap_probe("plain", device, width=width)
+        for name in WRAPPED:
+            self._probes[name] = wrap_probe(name, device, width=width)
         for name in UNITS:  # the same layers in half as many units: per-unit cost apart
-            self._probes[f"{name} x2"] = wrap_probe(name, device, per_block=2)
+            self._probes[f"{name} x2"] = wrap_probe(name, device, per_block=2, width=width)
         self._probe_in = torch.randn(PROBE_ROWS, 8, device=device)  # Probe's default width
+        self._wide_in = torch.randn(rows_wide, width, device=device)
         self._samples: Dict[str, List[float]] = {}
         self._repeats: Dict[str, int] = {}  # runs per sustained sample (same on every rank)
         for name in self._probes:  # warm-up: the first steps build the optimizer state
@@ -98,7 +108,7 @@ class Calibrator:
 
     def _probe_step(self, name: str) -> None:
         model, optimizer = self._probes[name]
-        model(self._probe_in).sum().backward()
+        model(self._probe_in if name == "plain" else self._wide_in).sum().backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
 
@@ -169,19 +179,16 @@ class Calibrator:
         dist.all_reduce(slowest, op=dist.ReduceOp.MAX)  # samples were taken together
         rows = dict(zip(keys, slowest.tolist()))
         med = {k: statistics.median(row) for k, row in rows.items()}
-        for name in WRAPPED + tuple(f"{u} x2" for u in UNITS):  # paired with the plain probe
-            pairs = zip(rows[f"probe {name}"], rows["probe plain"])  # same sample: less noise
-            med[f"extra {name}"] = statistics.median(a - b for a, b in pairs)
+        extra_s = {}  # what each wrapper adds to the plain wide probe, paired by sample
+        for name in WRAPPED + tuple(f"{u} x2" for u in UNITS):
+            pairs = zip(rows[f"probe {name}"], rows["probe plain wide"])  # same sample
+            extra_s[name] = statistics.median(a - b for a, b in pairs)
         rows, d_in, d_out = self.shape
         fits = {}
         for kind in KINDS:
             points = [(float(k.split()[1]), v) for k, v in med.items() if k.split()[0] == kind]
             fits[kind] = _fit(points)
         layers = Probe().layers
-        probe_s = {  # each wrapped probe's step: the plain one's plus the paired difference
-            name: med["probe plain"] + med[f"extra {name}"]
-            for name in WRAPPED + tuple(f"{u} x2" for u in UNITS)
-        }
         act_bytes = 2 * self._act.numel() * self._act.element_size()  # act and GELU's input
         compute = {
             "flops_per_s": 3 * 2 * rows * d_in * d_out / med["matmul"],
@@ -191,7 +198,8 @@ class Calibrator:
             ),
             "layer_overhead_s": med["probe plain"] / layers,
             "activation_s_per_byte": med["elementwise"] / act_bytes,
-            "probe_s": probe_s,  # turned into wrapper costs by calibration_from
+            "probe_extra_s": extra_s,  # turned into wrapper costs by calibration_from
+            "probe_dims": list(self.wide),
             "shape": list(self.shape),
             "overlap": _overlap(
                 self._repeats["matmul"] * med["matmul"], med["overlap comm"], med["overlap"]
@@ -319,5 +327,6 @@ def calibration_from(
             "link": f"fitted to the all_gather of {largest} ranks (ring model)",
         },
     )
-    fit_wrapper_costs(calibration, compute["probe_s"], largest)  # [Note: wrapper costs]
+    dims = tuple(compute["probe_dims"])
+    fit_wrapper_costs(calibration, compute["probe_extra_s"], dims, largest)  # [Note: wrapper costs]
     return calibration

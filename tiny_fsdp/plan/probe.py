@@ -5,14 +5,23 @@ a layer, plain and under each strategy's wrapper with its default arguments ([No
 A wrapper costs more than its collectives: hooks, copies into and out of flat buffers, Python.
 ``fit_wrapper_costs`` charges it as the planner does, a cost per layer (``wrapper_layer_s``) and,
 for ZeRO-3 and FSDP, per unit (``wrapper_unit_s``), and picks the values for which the planner's
-own schedule of the probe step ([Note: strategy schedules]) takes the time measured: with two
-probes of the same layers in 8 and in 4 units for ZeRO-3 and FSDP, whose difference is the cost
-per unit. Whatever the schedule leaves out at the probe's scale (a collective waiting on a late
-rank, a wait that does not overlap) lands in these costs, consistently with how the planner
-uses them; a cost is never negative.
+own schedule of the probe step ([Note: strategy schedules]) takes the planned plain step plus
+what the wrapper was measured to add to the same probe: with two probes of the same layers in 8
+and in 4 units for ZeRO-3 and FSDP, whose difference is the cost per unit. Whatever the schedule
+leaves out at the probe's scale (a collective waiting on a late rank, a wait that does not
+overlap) lands in these costs, consistently with how the planner uses them; a cost is never
+negative.
+
+The wrapped probes compute at about the model's scale (``wide_dims``: the calibration shape's
+rows and width, capped): on a CPU whose cores the ranks fill, a collective issued while the
+ranks compute waits for its thread to get a core (a 4 KiB gloo broadcast: 0.2 ms idle, 3.8 ms
+with 2 ranks computing on the 2-core development machine), so a probe of tiny layers shows too
+little of it. With it, ZeRO-3's predicted step on 2-4 ranks moved from 18-27 % short to 1-26 %
+(two runs each, ``tests/test_plan.py``'s step-time check). The fixed cost of a layer comes from
+a probe of tiny layers (``PROBE_ROWS`` x 8), whose step is nearly all of it.
 """
 
-from typing import Callable, Dict
+from typing import Callable, Dict, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
@@ -24,7 +33,14 @@ WRAPPED = ("ddp", "zero1", "zero2", "zero3", "fsdp")
 
 
 UNITS = ("zero3", "fsdp")  # strategies whose cost is also per unit: probed twice
-PROBE_ROWS = 4  # rows of the probe's input: (PROBE_ROWS, width)
+PROBE_ROWS = 4  # rows of the fixed-cost probe's input: (PROBE_ROWS, 8)
+WIDE_ROWS, WIDE_WIDTH = 512, 128  # at most this many rows and this width for the wrapped probes
+
+
+def wide_dims(shape: Sequence[int]) -> Tuple[int, int]:
+    """``(rows, width)`` of the wrapped probes for a calibration shape ``(rows, in, out)``
+    ([Note: wrapper costs])."""
+    return min(shape[0], WIDE_ROWS), min(shape[1], WIDE_WIDTH)
 
 
 class Probe(nn.Module):
@@ -53,8 +69,9 @@ class Probe(nn.Module):
         return x
 
 
-def wrap_probe(strategy: str, device: torch.device, per_block: int = 1):
-    """``(model, optimizer)`` of ``Probe(per_block=...)`` under ``strategy``, default arguments."""
+def wrap_probe(strategy: str, device: torch.device, per_block: int = 1, width: int = 8):
+    """``(model, optimizer)`` of ``Probe(width, per_block)`` under ``strategy`` (``"plain"``:
+    none), default arguments."""
     from tiny_fsdp.core.ddp import DDP, DDPAdamW
     from tiny_fsdp.core.fsdp import FSDP, FSDPAdamW
     from tiny_fsdp.core.optim import AdamW
@@ -64,7 +81,7 @@ def wrap_probe(strategy: str, device: torch.device, per_block: int = 1):
     torch.manual_seed(0)
     if strategy in ("zero3", "fsdp"):
         with torch.device("meta"):
-            meta = Probe(per_block=per_block)
+            meta = Probe(width=width, per_block=per_block)
         if strategy == "fsdp":
             model = FSDP(meta, device=device)
             return model, FSDPAdamW(model.parameters())
@@ -72,7 +89,7 @@ def wrap_probe(strategy: str, device: torch.device, per_block: int = 1):
         table, _ = zero3_partition_tensors(dict(meta.named_parameters()), ranks)
         model = Zero3(meta, table)
         return model, Zero3AdamW(model.module.named_parameters(), param_part_table=table)
-    plain = Probe().to(device)
+    plain = Probe(width=width, per_block=per_block).to(device)
     if strategy == "plain":
         return plain, AdamW(plain.parameters())
     wrapper, optim = {"ddp": (DDP, DDPAdamW), "zero1": (Zero1, Zero1AdamW),
@@ -103,21 +120,32 @@ def _smallest_reaching(
     return hi
 
 
-def fit_wrapper_costs(calibration: Calibration, probe_s: Dict[str, float], world_size: int) -> None:
-    """Fill ``calibration.wrapper_layer_s`` / ``wrapper_unit_s`` from the measured probe steps
-    ``probe_s`` (``{strategy: s}``, and ``"<strategy> x2"`` for two layers per unit) on
+def fit_wrapper_costs(
+    calibration: Calibration,
+    extra_s: Dict[str, float],
+    dims: Tuple[int, int],
+    world_size: int,
+) -> None:
+    """Fill ``calibration.wrapper_layer_s`` / ``wrapper_unit_s`` from what each wrapper was
+    measured to add to the plain step of ``Probe(width)`` on ``rows`` rows (``dims``),
+    ``extra_s`` (``{strategy: s}``, and ``"<strategy> x2"`` for two layers per unit), on
     ``world_size`` ranks ([Note: wrapper costs])."""
     from tiny_fsdp.plan.model_costs import module_costs
-    from tiny_fsdp.plan.schedules import StepSetup, plan_step
+    from tiny_fsdp.plan.schedules import StepSetup, plain_step_seconds, plan_step
 
+    rows, width = dims
     with torch.device("meta"):
-        costs = {k: module_costs(Probe(per_block=k), name=f"probe x{k}") for k in (1, 2)}
+        costs = {
+            k: module_costs(Probe(width=width, per_block=k), name=f"probe x{k}") for k in (1, 2)
+        }
+    plain = plain_step_seconds(StepSetup(costs[1], calibration, 1, rows, 1, 4, 4))
+    probe_s = {name: plain + extra for name, extra in extra_s.items()}
 
     def planned(name: str, per_block: int, layer_s: float, unit_s: float) -> float:
         calibration.wrapper_layer_s[name] = layer_s
         if name in UNITS:
             calibration.wrapper_unit_s[name] = unit_s
-        setup = StepSetup(costs[per_block], calibration, world_size, PROBE_ROWS, 1, 4, 4)
+        setup = StepSetup(costs[per_block], calibration, world_size, rows, 1, 4, 4)
         return plan_step(name, setup).seconds
 
     for name in WRAPPED:

@@ -327,6 +327,14 @@ def _unit_schedule(s: StepSetup, strategy: str) -> StepPlan:
     return _planned(tl, comms, unsharded + reducing)
 
 
+def plain_step_seconds(s: StepSetup) -> float:
+    """One rank's step with no wrapper and no communication: forward, backward, the optimizer
+    over every tensor."""
+    fwd = _layer_seconds(s, "plain")
+    optimizer = _optimizer_s(s.calibration, s.costs.num_params, len(s.costs.tensors))
+    return sum(fwd) * (3 + s.grad_ckpt) + optimizer
+
+
 def plan_step(strategy: str, s: StepSetup) -> StepPlan:
     """The step of ``strategy`` ([Note: strategy schedules])."""
     if strategy in ("ddp", "zero1", "zero2"):
