@@ -1,10 +1,12 @@
-"""The probe model of the calibration: tiny layers whose step time is the fixed cost of running
-a layer, plain and under each strategy's wrapper with its default arguments ([Note: calibration]).
+"""The probe model of the calibration: tiny layers, whose step is the fixed cost of running a layer,
+and layers of about the model's scale, plain and under each strategy's wrapper with its default
+arguments ([Note: calibration]).
 
 [Note: wrapper costs]
 A wrapper costs more than its collectives: hooks, copies into and out of flat buffers, Python.
 ``fit_wrapper_costs`` charges it as the planner does, a cost per layer (``wrapper_layer_s``) and,
-for ZeRO-3 and FSDP, per unit (``wrapper_unit_s``), and picks the values for which the planner's
+for ZeRO-3 and FSDP, per unit (``wrapper_unit_s``; ZeRO-3's per owner of a unit's tensors, each
+with its own buffer, broadcast and reduction), and picks the values for which the planner's
 own schedule of the probe step ([Note: strategy schedules]) takes the planned plain step plus
 what the wrapper was measured to add to the same probe: with two probes of the same layers in 8
 and in 4 units for ZeRO-3 and FSDP, whose difference is the cost per unit. Whatever the schedule
@@ -16,9 +18,11 @@ The wrapped probes compute at about the model's scale (``wide_dims``: the calibr
 rows and width, capped): on a CPU whose cores the ranks fill, a collective issued while the
 ranks compute waits for its thread to get a core (a 4 KiB gloo broadcast: 0.2 ms idle, 3.8 ms
 with 2 ranks computing on the 2-core development machine), so a probe of tiny layers shows too
-little of it. With it, ZeRO-3's predicted step on 2-4 ranks moved from 18-27 % short to 1-26 %
-(two runs each, ``tests/test_plan.py``'s step-time check). The fixed cost of a layer comes from
-a probe of tiny layers (``PROBE_ROWS`` x 8), whose step is nearly all of it.
+little of it. With it, ZeRO-3's predicted step on 2-4 ranks moved from 18-27 % short to between
+23 % short and 22 % long (two runs each, ``tests/test_plan.py``'s step-time check), and charging
+ZeRO-3's unit cost per owner moved its 4-rank row from 20-24 % short to 11-15 %. The fixed cost
+of a layer comes from a probe of tiny layers (``PROBE_ROWS`` x 8), whose step is nearly all of
+it.
 """
 
 from typing import Callable, Dict, Sequence, Tuple

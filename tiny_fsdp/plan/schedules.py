@@ -130,8 +130,13 @@ def _layer_seconds(s: StepSetup, strategy: str) -> List[float]:
     shared += costs.activation_bytes(s.tokens, s.act_bytes) * cal.activation_s_per_byte / 3
     name = "fsdp" if strategy == "hsdp" else strategy
     wrapper = cal.wrapper_layer_s.get(name, 0.0)
-    # ZeRO-3 / FSDP also pay per unit (an unshard, a summed reduction), spread over the layers.
-    wrapper += cal.wrapper_unit_s.get(name, 0.0) * min(len(costs.units), layers) / layers
+    # ZeRO-3 / FSDP also pay per unit (an unshard, a summed reduction), spread over the layers;
+    # ZeRO-3 per owner of a unit's tensors: a buffer, a broadcast and a reduction for each.
+    groups = min(len(costs.units), layers)
+    if name == "zero3" and s.world_size > 1:
+        owner = _zero3_owners(costs, s.world_size)
+        groups = sum(len({owner[t] for t in unit}) for unit in costs.units)
+    wrapper += cal.wrapper_unit_s.get(name, 0.0) * groups / layers
     fixed = (cal.layer_overhead_s + wrapper) / 3
     return [
         2.0 * m * s.tokens / cal.flops_per_s + shared / layers + fixed for m in costs.layer_matmul
