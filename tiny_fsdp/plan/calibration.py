@@ -21,8 +21,8 @@ a datasheet, a paper). Fields:
   launches, Python, autograd), which FLOPs do not see; it dominates small models.
 - ``compute.wrapper_layer_s[strategy]`` and ``compute.wrapper_unit_s[strategy]`` (ZeRO-3,
   FSDP): what each wrapper adds per layer and per unit (ZeRO-3: per owner of a unit's tensors)
-  beyond its collectives, fitted so that
-  the planner's schedule of a probe model reproduces its measured step ([Note: wrapper costs]).
+  beyond its collectives, fitted so that the planner's schedule of a probe model reproduces
+  what the wrapper adds to the probe's step ([Note: wrapper costs]).
 - ``collectives[kind][world_size] = {"alpha_s", "beta_s_per_byte"}``: the time of one collective
   of ``P`` payload bytes ([Note: communication ledger]) is ``alpha + beta * P`` (Hockney's
   alpha-beta model), fitted to measurements at a few sizes.
