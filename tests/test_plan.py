@@ -11,9 +11,8 @@ changes hit them alike. The planner's prediction from that calibration is compar
   + buffers), plus the bytes of the distinct tensors autograd saves in the forward (saved-tensor
   hooks; parameters excluded), plus the strategy's transient buffers at their peak as its own
   meters report them (FSDP ``memory_stats()``: gathered units and reductions in flight; ZeRO-3
-  ``fetch_stats`` and ``reduce_stats``; ZeRO-2's staging buffers: its two largest layout
-  buckets that need one, which is how ``StagedGradShard`` allocates them); the largest rank.
-  Within 10 %.
+  ``fetch_stats`` and ``reduce_stats``; ZeRO-2 ``staging_stats``: its staging buffers); the
+  largest rank. Within 10 %.
   The reduction meters count a reduced gradient until the end of backward even when it becomes
   ``.grad`` ([Note: asynchronous reduction]), which the ledger counts too; the planner predicts
   the inputs in flight only, so ZeRO-3 and FSDP measure up to one gradient shard more.
@@ -73,10 +72,8 @@ def _transient_bytes(name, model) -> int:
         return stats["peak_gathered_bytes"] + stats["peak_reduce_bytes"]
     if name == "zero3":
         return model.fetch_stats.peak_bytes + model.reduce_stats.peak_bytes
-    if name == "zero2":  # a bucket of one unpadded parameter stages in its gradient
-        layout = model.layout
-        staged = [b.numel for b in layout.buckets if layout.slots[b.slots[0]].numel != b.numel]
-        return sum(sorted(staged)[-2:]) * next(model.parameters()).element_size()
+    if name == "zero2":
+        return model.staging_stats.peak_bytes
     return 0
 
 
@@ -111,9 +108,13 @@ def _measure(rank, world):
         optimizer.zero_grad(set_to_none=True)
         if name == "fsdp":
             model.reset_peak_memory_stats()
+        meters = ()
         if name == "zero3":
-            for stats in (model.fetch_stats, model.reduce_stats):
-                stats.peak_bytes = stats.live_bytes
+            meters = (model.fetch_stats, model.reduce_stats)
+        if name == "zero2":
+            meters = (model.staging_stats,)
+        for meter in meters:  # peaks of the counted step
+            meter.peak_bytes = meter.live_bytes
         params = {p.untyped_storage().data_ptr() for p in model.parameters()}
         comm.LEDGER.reset()
         saved = _saved_bytes(model, x, y, params)

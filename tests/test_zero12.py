@@ -610,7 +610,7 @@ def test_misuse_raises_clear_errors() -> None:
 def test_a_bucket_of_one_unpadded_parameter_stages_in_its_gradient() -> None:
     """ZeRO-2's hook divides such a gradient by N in place and reduces it as it is: no staging
     buffer, no copy. A bucket of several parameters, or one that needs padding, gets a buffer,
-    counted by ``staging_bytes`` (``Zero2.transient_bytes()``) until its reduction finishes."""
+    counted by the store's ``stats`` (``Zero2.staging_stats``) until its reduction finishes."""
     whole, padded, small_a, small_b = (nn.Parameter(torch.randn(n)) for n in (6, 5, 1, 2))
     params = [small_a, small_b, padded, whole]  # buckets (cap 3): [a, b], [padded], [whole]
     layout = FlatLayout([p.shape for p in params], world_size=2, bucket_cap_numel=3)
@@ -620,10 +620,10 @@ def test_a_bucket_of_one_unpadded_parameter_stages_in_its_gradient() -> None:
         p.grad = torch.ones_like(p)
     grad = whole.grad
     store.add(3, whole)
-    assert whole.grad is None and store.staging_bytes == 0
+    assert whole.grad is None and store.stats.live_bytes == 0
     assert torch.equal(grad, torch.full((6,), 0.5))  # the gradient / N, in place
     store.add(2, padded)  # 5 elements padded to 6
     store.add(0, small_a)
-    assert store.staging_bytes == (6 + 4) * 4  # [a, b]: 3 elements padded to 4
+    assert store.stats.live_bytes == (6 + 4) * 4  # [a, b]: 3 elements padded to 4
     store.reset()
-    assert store.staging_bytes == 0
+    assert store.stats.live_bytes == 0 and store.stats.peak_bytes == (6 + 4) * 4

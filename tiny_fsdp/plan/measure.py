@@ -177,11 +177,11 @@ class Calibrator:
         keys = sorted(self._samples)
         slowest = torch.tensor([self._samples[k] for k in keys], dtype=torch.float64)
         dist.all_reduce(slowest, op=dist.ReduceOp.MAX)  # samples were taken together
-        rows = dict(zip(keys, slowest.tolist()))
-        med = {k: statistics.median(row) for k, row in rows.items()}
+        samples = dict(zip(keys, slowest.tolist()))
+        med = {k: statistics.median(row) for k, row in samples.items()}
         extra_s = {}  # what each wrapper adds to the plain wide probe, paired by sample
         for name in WRAPPED + tuple(f"{u} x2" for u in UNITS):
-            pairs = zip(rows[f"probe {name}"], rows["probe plain wide"])  # same sample
+            pairs = zip(samples[f"probe {name}"], samples["probe plain wide"])  # same sample
             extra_s[name] = statistics.median(a - b for a, b in pairs)
         rows, d_in, d_out = self.shape
         fits = {}

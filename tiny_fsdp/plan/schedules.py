@@ -122,21 +122,18 @@ def _zero3_owners(costs: ModelCosts, n: int) -> List[int]:
     return [table[str(i)] for i in range(len(costs.tensors))]
 
 
-def _layer_seconds(s: StepSetup, strategy: str) -> List[float]:
-    """Forward seconds per layer ([Note: strategy schedules]); backward takes twice as long."""
+def _layer_seconds(s: StepSetup, strategy: str, unit_groups: int = 0) -> List[float]:
+    """Forward seconds per layer ([Note: strategy schedules]); backward takes twice as long.
+    ``unit_groups``: ZeRO-3 / FSDP's units, or ZeRO-3's (unit, owner) pairs, which each cost
+    ``wrapper_unit_s``."""
     cal, costs = s.calibration, s.costs
     layers = len(costs.layers)
     shared = 2.0 * costs.attention_flops_per_token * s.seq_len * s.tokens / cal.flops_per_s
     shared += costs.activation_bytes(s.tokens, s.act_bytes) * cal.activation_s_per_byte / 3
     name = "fsdp" if strategy == "hsdp" else strategy
     wrapper = cal.wrapper_layer_s.get(name, 0.0)
-    # ZeRO-3 / FSDP also pay per unit (an unshard, a summed reduction), spread over the layers;
-    # ZeRO-3 per owner of a unit's tensors: a buffer, a broadcast and a reduction for each.
-    groups = min(len(costs.units), layers)
-    if name == "zero3" and s.world_size > 1:
-        owner = _zero3_owners(costs, s.world_size)
-        groups = sum(len({owner[t] for t in unit}) for unit in costs.units)
-    wrapper += cal.wrapper_unit_s.get(name, 0.0) * groups / layers
+    # ZeRO-3 / FSDP also pay per unit group (an unshard, a summed reduction), over the layers.
+    wrapper += cal.wrapper_unit_s.get(name, 0.0) * unit_groups / layers
     fixed = (cal.layer_overhead_s + wrapper) / 3
     return [
         2.0 * m * s.tokens / cal.flops_per_s + shared / layers + fixed for m in costs.layer_matmul
@@ -256,8 +253,9 @@ def _unit_schedule(s: StepSetup, strategy: str) -> StepPlan:
     zero3 = strategy == "zero3"
     n = s.world_size if zero3 else s.world_size // s.replicas
     prefetch = ZERO3_PREFETCH if zero3 else FSDP_PREFETCH
-    fwd = _layer_seconds(s, strategy)
+    units = min(len(costs.units), len(costs.layers))
     if n == 1 and zero3:  # one rank: nothing to broadcast or reduce
+        fwd = _layer_seconds(s, strategy, units)
         _compute(tl, fwd, s)
         optimizer = _optimizer_s(cal, costs.num_params, len(costs.tensors))
         tl.add("compute", optimizer, label="optimizer")
@@ -279,6 +277,9 @@ def _unit_schedule(s: StepSetup, strategy: str) -> StepPlan:
         parts = [[sum(costs.padded_numel(t, n) for t in unit)] for unit in costs.units]
         optimizer = _optimizer_s(cal, costs.num_params / n, len(costs.tensors))  # every tensor
     numel = [sum(p) for p in parts]
+    # A wrapper cost per unit; ZeRO-3's per owner of a unit's tensors (a buffer, a broadcast
+    # and a reduction for each).
+    fwd = _layer_seconds(s, strategy, sum(map(len, parts)) if zero3 else units)
     unshard_kind = "broadcast" if zero3 else "all_gather"
     reduce_kind = "reduce" if zero3 else "reduce_scatter"
 
@@ -335,9 +336,9 @@ def _unit_schedule(s: StepSetup, strategy: str) -> StepPlan:
 def plain_step_seconds(s: StepSetup) -> float:
     """One rank's step with no wrapper and no communication: forward, backward, the optimizer
     over every tensor."""
-    fwd = _layer_seconds(s, "plain")
-    optimizer = _optimizer_s(s.calibration, s.costs.num_params, len(s.costs.tensors))
-    return sum(fwd) * (3 + s.grad_ckpt) + optimizer
+    tl = Timeline()
+    _compute(tl, _layer_seconds(s, "plain"), s)
+    return tl.seconds + _optimizer_s(s.calibration, s.costs.num_params, len(s.costs.tensors))
 
 
 def plan_step(strategy: str, s: StepSetup) -> StepPlan:

@@ -34,6 +34,7 @@ from typing import Any, Dict, List, Optional, Sequence
 import torch
 from torch import nn
 
+from tiny_fsdp.core.reductions import ReduceStats
 from tiny_fsdp.core.zero.flat_buffer import (
     Bucket,
     FlatBuffer,
@@ -207,7 +208,7 @@ class StagedGradShard(ZeroGradStore):
         self.shard = torch.zeros(self.layout.shard_numel, dtype=self.dtype, device=self.device)
         self._staging: List[Optional[torch.Tensor]] = [None] * len(self.layout.buckets)
         self._allocated = [0] * len(self.layout.buckets)  # bytes allocated for a staging buffer
-        self.staging_bytes = 0  # live bytes of allocated staging buffers (gradients excluded)
+        self.stats = ReduceStats()  # allocated staging buffers (gradients excluded): live, peak
 
     def keep_local(self, index: int, param: nn.Parameter) -> None:
         pass  # autograd accumulates into the full param.grad
@@ -225,7 +226,7 @@ class StagedGradShard(ZeroGradStore):
         if staging is None:
             staging = torch.empty(bucket.numel, dtype=self.dtype, device=self.device)
             self._allocated[slot.bucket] = staging.numel() * staging.element_size()
-            self.staging_bytes += self._allocated[slot.bucket]
+            self.stats.track(self._allocated[slot.bucket])
             end = self.layout.slots[bucket.slots[-1]]
             staging[end.start + end.numel - bucket.start :].zero_()  # the padding
             self._staging[slot.bucket] = staging
@@ -252,14 +253,14 @@ class StagedGradShard(ZeroGradStore):
     def finish(self, bucket: int) -> None:
         super().finish(bucket)
         self._staging[bucket] = None
-        self.staging_bytes -= self._allocated[bucket]
+        self.stats.track(-self._allocated[bucket])
         self._allocated[bucket] = 0
 
     def reset(self) -> None:
         super().reset()
         self._staging = [None] * len(self.layout.buckets)
+        self.stats.track(-sum(self._allocated))
         self._allocated = [0] * len(self.layout.buckets)
-        self.staging_bytes = 0
 
     def reduced_grad(self, piece: Piece) -> torch.Tensor:
         return shard_piece(self.shard, piece)

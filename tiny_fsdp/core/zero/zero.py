@@ -24,6 +24,7 @@ from torch import nn
 from tiny_fsdp.core import comm
 from tiny_fsdp.core.bucketed_backward import BucketedBackward
 from tiny_fsdp.core.precision import MixedPrecisionPolicy
+from tiny_fsdp.core.reductions import ReduceStats
 from tiny_fsdp.core.local_state import LocalPiece, replicated_piece
 from tiny_fsdp.core.ownership import owner_of
 from tiny_fsdp.core.replicated import ReplicatedWrapper, broadcast_module_buffers
@@ -229,9 +230,15 @@ class Zero2(ZeroWrapper):
 
     grad_store = StagedGradShard
 
-    def transient_bytes(self) -> Dict[str, int]:
-        """Bytes of gradient staging buffers alive now ([Note: ZeRO gradient stores]; read at
-        every compute boundary of a traced step, ``tiny_fsdp/trace``)."""
+    @property
+    def staging_stats(self) -> ReduceStats:
+        """Bytes of gradient staging buffers allocated on this rank, live and peak ([Note: ZeRO
+        gradient stores]; a bucket staged in its own gradient allocates none)."""
         store = self._grads
         assert isinstance(store, StagedGradShard)
-        return {"staging": store.staging_bytes}
+        return store.stats
+
+    def transient_bytes(self) -> Dict[str, int]:
+        """Bytes of gradient staging buffers alive now (read at every compute boundary of a
+        traced step, ``tiny_fsdp/trace``)."""
+        return {"staging": self.staging_stats.live_bytes}
