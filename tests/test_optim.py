@@ -10,6 +10,7 @@ import torch
 from torch import nn
 
 from tiny_fsdp.core.optim import SGD, AdamW, BaseOptimizer, adamw_update_, sgd_update_
+from tiny_fsdp.core.optim.base import update_batches
 
 # Both implementations run the same fp32 ops in the same order; 1e-6 leaves room for a
 # different kernel (e.g. lerp vs mul/add) rounding differently without hiding a real bug.
@@ -307,21 +308,44 @@ def test_zero_grad_and_closure(cls: type) -> None:
     ],
 )
 def test_rule_is_elementwise_and_leaves_grad_alone(rule: Callable, hyper: dict[str, Any]) -> None:
-    """Updating dim-0 shards with their own state equals updating the whole tensor."""
+    """Updating a list of tensors, each tensor alone, or dim-0 shards with their own state: the
+    same result bit for bit, and the grads are untouched."""
     gen = torch.Generator().manual_seed(0)
-    whole = torch.randn(6, 4, generator=gen)
-    shards = [s.clone() for s in whole.chunk(2)]
-    whole_state: dict = {}
+    shapes = [(6, 4), (3,), (2, 3, 2)]
+    together = [torch.randn(s, generator=gen) for s in shapes]
+    alone = [t.clone() for t in together]
+    shards = [s.clone() for s in together[0].chunk(2)]
+    together_states: list[dict] = [{} for _ in shapes]
+    alone_states: list[dict] = [{} for _ in shapes]
     shard_states: list[dict] = [{}, {}]
     for _ in range(5):
-        grad = torch.randn(6, 4, generator=gen)
-        grad_before = grad.clone()
-        rule(whole, grad, whole_state, **hyper)
-        for shard, g, state in zip(shards, grad.chunk(2), shard_states):
-            rule(shard, g, state, **hyper)
-        assert torch.equal(grad, grad_before)
+        grads = [torch.randn(s, generator=gen) for s in shapes]
+        grads_before = [g.clone() for g in grads]
+        rule(together, grads, together_states, **hyper)
+        for t, g, state in zip(alone, grads, alone_states):
+            rule([t], [g], [state], **hyper)
+        rule(shards, list(grads[0].chunk(2)), shard_states, **hyper)
+        assert all(torch.equal(g, before) for g, before in zip(grads, grads_before))
     # Same elementwise ops on the same values: results agree bitwise.
-    assert torch.equal(torch.cat(shards), whole)
+    assert all(torch.equal(a, b) for a, b in zip(together, alone))
+    assert torch.equal(torch.cat(shards), together[0])
+
+
+def test_update_batches_share_device_and_dtype_and_cap_their_bytes() -> None:
+    """A rule gets tensors of one dtype (and device) at a time, at most max_bytes of them unless
+    a single tensor is larger; every tensor is updated exactly once."""
+    f32 = [torch.zeros(n) for n in (10, 10, 30, 5)]  # 40, 40, 120, 20 bytes
+    f64 = [torch.zeros(3, dtype=torch.float64)]
+    updates = [(t, t, {"i": i}) for i, t in enumerate(f32[:2] + f64 + f32[2:])]
+    batches = list(update_batches(updates, limit=lambda device: 100))
+    as_ids = [[state["i"] for state in states] for _, _, states in batches]
+    assert sorted(as_ids) == [[0, 1], [2], [3], [4]]
+    for params, grads, states in batches:
+        assert len({(p.dtype, p.device) for p in params}) == 1
+        assert sum(p.numel() * p.element_size() for p in params) <= 100 or len(params) == 1
+        assert all(p is g for p, g in zip(params, grads))
+    # On the CPU every tensor is updated alone (batching would only add temporaries there).
+    assert [len(params) for params, _, _ in update_batches(updates)] == [1] * len(updates)
 
 
 class ShardedSGD(SGD):

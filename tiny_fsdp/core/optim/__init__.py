@@ -1,4 +1,4 @@
-"""Optimizers whose math is one per-tensor update rule (see ``[Note: one update rule]``)."""
+"""Optimizers whose math is one update rule over lists of tensors ([Note: one update rule])."""
 
 from .adamw import AdamW, adamw_update_
 from .base import BaseOptimizer, normalize_param_group, normalize_param_groups

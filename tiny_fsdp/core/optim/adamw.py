@@ -12,9 +12,9 @@ from .base import BaseOptimizer, ParamsT
 
 
 def adamw_update_(
-    param: Tensor,
-    grad: Tensor,
-    state: dict,
+    params: list[Tensor],
+    grads: list[Tensor],
+    states: list[dict],
     *,
     lr: float,
     beta1: float,
@@ -24,45 +24,49 @@ def adamw_update_(
     amsgrad: bool = False,
     maximize: bool = False,
 ) -> None:
-    """Update ``param`` in place by one AdamW step (same semantics as ``torch.optim.AdamW``).
+    """Update every ``params[i]`` in place by one AdamW step (``torch.optim.AdamW``'s semantics).
 
-    ``state`` is filled on first use: ``step`` (0-d float32 CPU tensor, this tensor's own step
-    count), ``exp_avg`` and ``exp_avg_sq`` (shape of ``param``), plus ``max_exp_avg_sq`` if
-    ``amsgrad``. With ``g = -grad if maximize else grad`` and ``t = step``:
-    ``param *= 1 - lr * weight_decay``; ``m = lerp(m, g, 1 - beta1)``;
-    ``v = beta2 * v + (1 - beta2) * g * g``;
-    ``param -= lr / (1 - beta1**t) * m / (sqrt(v) / sqrt(1 - beta2**t) + eps)``
-    where AMSGrad uses the running max of ``v`` instead of ``v``. ``grad`` is never modified.
+    ``grads[i]`` has the shape of ``params[i]`` and is never modified; ``states[i]`` is filled on
+    first use: ``step`` (0-d float32 CPU tensor, this tensor's own step count), ``exp_avg`` and
+    ``exp_avg_sq`` (shape of the parameter), plus ``max_exp_avg_sq`` if ``amsgrad``. Per tensor,
+    with ``g = -grad if maximize else grad`` and ``t = step``: ``param *= 1 - lr * weight_decay``;
+    ``m = lerp(m, g, 1 - beta1)``; ``v = beta2 * v + (1 - beta2) * g * g``;
+    ``param -= lr / (1 - beta1**t) * m / (sqrt(v) / sqrt(1 - beta2**t) + eps)``, where AMSGrad
+    uses the running max of ``v``. Temporaries: one denominator per tensor, plus a cast or
+    negated gradient when ``grad`` is of another dtype or ``maximize``.
     """
-    g = grad.to(param.dtype)
+    grads = [g.to(p.dtype) for p, g in zip(params, grads)]
     if maximize:
-        g = -g  # out of place: grad may be a shared comm buffer
-    if "step" not in state:
-        # step lives on the CPU so reading it for the bias correction never syncs a GPU.
-        state["step"] = torch.zeros((), dtype=torch.float32)
-        state["exp_avg"] = torch.zeros_like(param, memory_format=torch.preserve_format)
-        state["exp_avg_sq"] = torch.zeros_like(param, memory_format=torch.preserve_format)
-    if amsgrad and "max_exp_avg_sq" not in state:
-        state["max_exp_avg_sq"] = torch.zeros_like(param, memory_format=torch.preserve_format)
-    exp_avg, exp_avg_sq = state["exp_avg"], state["exp_avg_sq"]
-
-    state["step"] += 1
-    step = state["step"].item()
+        grads = torch._foreach_neg(grads)  # out of place: a grad may be a shared comm buffer
+    for param, state in zip(params, states):
+        if "step" not in state:
+            # step lives on the CPU so reading it for the bias correction never syncs a GPU.
+            state["step"] = torch.zeros((), dtype=torch.float32)
+            state["exp_avg"] = torch.zeros_like(param, memory_format=torch.preserve_format)
+            state["exp_avg_sq"] = torch.zeros_like(param, memory_format=torch.preserve_format)
+        if amsgrad and "max_exp_avg_sq" not in state:
+            state["max_exp_avg_sq"] = torch.zeros_like(param, memory_format=torch.preserve_format)
+    exp_avgs = [state["exp_avg"] for state in states]
+    exp_avg_sqs = [state["exp_avg_sq"] for state in states]
+    steps = [state["step"] for state in states]
+    torch._foreach_add_(steps, 1)
+    step_counts = [step.item() for step in steps]
 
     # Decoupled: decay the weights directly instead of adding weight_decay * param to g.
     if weight_decay != 0:
-        param.mul_(1 - lr * weight_decay)
-    exp_avg.lerp_(g, 1 - beta1)
-    exp_avg_sq.mul_(beta2).addcmul_(g, g, value=1 - beta2)
+        torch._foreach_mul_(params, 1 - lr * weight_decay)
+    torch._foreach_lerp_(exp_avgs, grads, 1 - beta1)
+    torch._foreach_mul_(exp_avg_sqs, beta2)
+    torch._foreach_addcmul_(exp_avg_sqs, grads, grads, value=1 - beta2)
 
-    bias_correction1 = 1 - beta1**step
-    bias_correction2_sqrt = math.sqrt(1 - beta2**step)
-    second_moment = exp_avg_sq
+    second_moments = exp_avg_sqs
     if amsgrad:
-        torch.maximum(state["max_exp_avg_sq"], exp_avg_sq, out=state["max_exp_avg_sq"])
-        second_moment = state["max_exp_avg_sq"]
-    denom = second_moment.sqrt().div_(bias_correction2_sqrt).add_(eps)  # one temporary
-    param.addcdiv_(exp_avg, denom, value=-lr / bias_correction1)
+        second_moments = [state["max_exp_avg_sq"] for state in states]
+        torch._foreach_maximum_(second_moments, exp_avg_sqs)
+    denoms = torch._foreach_sqrt(second_moments)
+    torch._foreach_div_(denoms, [math.sqrt(1 - beta2**t) for t in step_counts])
+    torch._foreach_add_(denoms, eps)
+    torch._foreach_addcdiv_(params, exp_avgs, denoms, [-lr / (1 - beta1**t) for t in step_counts])
 
 
 class AdamW(BaseOptimizer):
@@ -100,12 +104,14 @@ class AdamW(BaseOptimizer):
         if hyper["weight_decay"] < 0.0:
             raise ValueError(f"Invalid weight_decay value: {hyper['weight_decay']}")
 
-    def _update_(self, param: Tensor, grad: Tensor, state: dict, group: dict[str, Any]) -> None:
+    def _update_(
+        self, params: list[Tensor], grads: list[Tensor], states: list[dict], group: dict[str, Any]
+    ) -> None:
         beta1, beta2 = group["betas"]
         adamw_update_(
-            param,
-            grad,
-            state,
+            params,
+            grads,
+            states,
             lr=group["lr"],
             beta1=beta1,
             beta2=beta2,

@@ -4,15 +4,16 @@ from __future__ import annotations
 
 from typing import Any
 
+import torch
 from torch import Tensor
 
 from .base import BaseOptimizer, ParamsT
 
 
 def sgd_update_(
-    param: Tensor,
-    grad: Tensor,
-    state: dict,
+    params: list[Tensor],
+    grads: list[Tensor],
+    states: list[dict],
     *,
     lr: float,
     momentum: float = 0.0,
@@ -21,30 +22,34 @@ def sgd_update_(
     weight_decay: float = 0.0,
     maximize: bool = False,
 ) -> None:
-    """Update ``param`` in place by one SGD step (same semantics as ``torch.optim.SGD``).
+    """Update every ``params[i]`` in place by one SGD step (``torch.optim.SGD``'s semantics).
 
-    With ``g = (-grad if maximize else grad) + weight_decay * param``:
+    Per tensor, with ``g = (-grad if maximize else grad) + weight_decay * param``:
     ``buf = g`` on the first step, else ``momentum * buf + (1 - dampening) * g``;
     ``d = g + momentum * buf`` (Nesterov), ``buf`` (momentum) or ``g`` (no momentum);
-    ``param -= lr * d``. ``grad`` (same shape as ``param``, cast to its dtype) is never
-    modified; ``state["momentum_buffer"]`` (shape of ``param``) exists only if momentum != 0.
+    ``param -= lr * d``. ``grads[i]`` (shape of ``params[i]``, cast to its dtype) is never
+    modified; ``states[i]["momentum_buffer"]`` (shape of the parameter) exists only if
+    momentum != 0.
     """
-    d_p = grad.to(param.dtype)
-    # Out-of-place ops until d_p is a fresh tensor: grad may be a shared comm buffer.
+    d_ps = [g.to(p.dtype) for p, g in zip(params, grads)]
+    # Out-of-place ops until the d_ps are fresh tensors: a grad may be a shared comm buffer.
     if maximize:
-        d_p = -d_p
+        d_ps = torch._foreach_neg(d_ps)
     if weight_decay != 0:
-        d_p = d_p.add(param, alpha=weight_decay)
+        d_ps = torch._foreach_add(d_ps, params, alpha=weight_decay)
     if momentum != 0:
-        buf = state.get("momentum_buffer")
-        if buf is None:
-            # The first step seeds the buffer with the undampened gradient, as torch does.
-            buf = d_p.clone()
-            state["momentum_buffer"] = buf
-        else:
-            buf.mul_(momentum).add_(d_p, alpha=1 - dampening)
-        d_p = d_p.add(buf, alpha=momentum) if nesterov else buf
-    param.add_(d_p, alpha=-lr)
+        running = [i for i, state in enumerate(states) if "momentum_buffer" in state]
+        if running:
+            bufs = [states[i]["momentum_buffer"] for i in running]
+            torch._foreach_mul_(bufs, momentum)
+            torch._foreach_add_(bufs, [d_ps[i] for i in running], alpha=1 - dampening)
+        for d_p, state in zip(d_ps, states):
+            if "momentum_buffer" not in state:
+                # The first step seeds the buffer with the undampened gradient, as torch does.
+                state["momentum_buffer"] = d_p.clone()
+        bufs = [state["momentum_buffer"] for state in states]
+        d_ps = torch._foreach_add(d_ps, bufs, alpha=momentum) if nesterov else bufs
+    torch._foreach_add_(params, d_ps, alpha=-lr)
 
 
 class SGD(BaseOptimizer):
@@ -84,11 +89,13 @@ class SGD(BaseOptimizer):
                 f"momentum={hyper['momentum']}, dampening={hyper['dampening']}"
             )
 
-    def _update_(self, param: Tensor, grad: Tensor, state: dict, group: dict[str, Any]) -> None:
+    def _update_(
+        self, params: list[Tensor], grads: list[Tensor], states: list[dict], group: dict[str, Any]
+    ) -> None:
         sgd_update_(
-            param,
-            grad,
-            state,
+            params,
+            grads,
+            states,
             lr=group["lr"],
             momentum=group["momentum"],
             dampening=group["dampening"],
