@@ -4,7 +4,8 @@ The oracle is ``torch.nn.parallel.DistributedDataParallel`` + ``torch.optim.Adam
 per-rank batches: losses every step, every parameter and buffer at the end. Models: ``ZooLM``
 (own transposed linear and RMSNorm, rotary buffers, raw and 0-d parameters, BatchNorm, a module
 called twice, a tied head read by the parent, a dataclass output), a model whose parent reads a
-child's 0-d parameter, and tiny GPT-2 / Llama / BERT from ``transformers`` (if installed).
+child's 0-d parameter (and torch's ``nn.MultiheadAttention``, which reads two of its child's
+parameters in one op), and tiny GPT-2 / Llama / BERT from ``transformers`` (if installed).
 Cases are combined into few distributed calls to keep CI time small.
 """
 
@@ -57,16 +58,22 @@ class ReaderOutput:
 
 
 class ReaderLM(nn.Module):
-    """The parent reads a child's 0-d parameter and the embedding's weight (tied head)."""
+    """The parent reads a child's 0-d parameter and the embedding's weight (tied head); torch's
+    ``nn.MultiheadAttention`` reads its child ``out_proj``'s weight and bias in one op."""
 
     def __init__(self) -> None:
         super().__init__()
         self.wte = nn.Embedding(VOCAB, WIDTH)
         self.holder = Holder()
+        self.attn = nn.MultiheadAttention(WIDTH, 2, batch_first=True)
+        # The key third of in_proj_bias shifts every score of a row alike, which softmax
+        # cancels: its gradient is float32 noise that AdamW turns into +-lr steps (see _zoo).
+        self.attn.in_proj_bias.requires_grad_(False)
         self.norm = OwnRMSNorm(WIDTH)
 
     def forward(self, idx: torch.Tensor) -> ReaderOutput:
         h, skip = self.holder(self.wte(idx))
+        h = h + self.attn(h, h, h, need_weights=False)[0]
         h = self.norm(h + skip) * self.holder.scale.exp()  # read outside the holder's forward
         return ReaderOutput(logits=F.linear(h, self.wte.weight))
 

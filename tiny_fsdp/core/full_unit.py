@@ -21,6 +21,7 @@ import torch
 from torch import nn
 
 from tiny_fsdp.core.module.handler import Params, TrainingPhase
+from tiny_fsdp.core.module.layer import local_param
 from tiny_fsdp.core.prefetch import Prefetcher
 
 
@@ -43,9 +44,11 @@ class FullUnit:
         """The full parameters of ``layer``, in use until its ``release`` (the unit is full)."""
         assert self._full is not None, f"{self.name}: hold() before the unit was unsharded"
         self._holders += 1
+        # local_param: a registration a reader has swapped to its own full tensor ([Note: outside
+        # reads]; an op reading two of the layer's parameters) still names the local parameter.
         return tuple(
             None if p is None else self._full[id(p)]
-            for p in (getattr(layer, n) for n in layer.param_names)
+            for p in (local_param(layer, n) for n in layer.param_names)
         )
 
     def release(self, layer: nn.Module, phase: TrainingPhase) -> None:
