@@ -173,6 +173,19 @@ def update_batches(
     yield from batches.values()
 
 
+def sum_of_squares(tensors: list[Tensor]) -> Tensor:
+    """Sum of the squares of every element of ``tensors`` (all on one device), a 0-d float32.
+
+    On an accelerator one ``_foreach_norm`` per list (as torch's ``clip_grad_norm_`` there),
+    not a square and a sum per tensor. On the CPU a square and a sum per tensor: torch's CPU
+    norm kernel accumulates in float32 one element after another (relative error 8e-4 on a 13M
+    element gradient, measured) where ``sum`` adds pairwise (3e-8).
+    """
+    if tensors[0].device.type == "cpu":
+        return torch.stack([t.float().square().sum() for t in tensors]).sum()
+    return torch.stack(torch._foreach_norm(tensors, 2.0, dtype=torch.float32)).square().sum()
+
+
 class BaseOptimizer(torch.optim.Optimizer):
     """``torch.optim.Optimizer`` whose step applies one update rule to batches of tensors.
 
@@ -209,13 +222,13 @@ class BaseOptimizer(torch.optim.Optimizer):
         ``_norm_group()`` (HSDP: one shard group, whose ranks hold each element once; the
         replicas hold the same). Padding rows are zero and do not change the sum.
         """
-        squares = [
-            grad.detach().float().square().sum()
+        grads = [
+            grad.detach()
             for group in self.param_groups
             for _, grad, _ in self._tensors_to_update(group)
         ]
-        device = squares[0].device if squares else self._default_device()
-        total = torch.stack(squares).sum() if squares else torch.zeros((), device=device)
+        device = grads[0].device if grads else self._default_device()
+        total = sum_of_squares(grads) if grads else torch.zeros((), device=device)
         if self.grads_are_sharded:
             from tiny_fsdp.core import comm  # the optimizers import nothing distributed otherwise
 
