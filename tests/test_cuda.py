@@ -3,7 +3,8 @@
 Parity recipe of ``tests/parity.py`` on ``cuda:0``: a plain GPT-2 with ``torch.optim.AdamW`` is
 the reference; each strategy trains a copy for a few steps and its losses and final parameters
 must match. FSDP and ZeRO-3 must issue their collectives through side streams ([Note:
-communication streams]). ``benchmarks/gpu.sh`` runs this file, then the throughput check.
+communication streams]); the optimizers' update rule runs as multi-tensor kernels.
+``benchmarks/gpu.sh`` runs this file, then the throughput check.
 """
 
 import copy
@@ -78,3 +79,31 @@ def test_every_strategy_matches_pytorch_on_cuda_with_nccl() -> None:
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA GPU")
     run_distributed(_parity_on_cuda, 1, backend="nccl")
+
+
+def test_adamw_launches_a_few_kernels_per_batch_on_cuda() -> None:
+    """[Note: one update rule]: on CUDA a step is a few multi-tensor kernels per batch, not a
+    dozen per tensor, and it matches torch.optim.AdamW (its foreach default there)."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    from torch.profiler import ProfilerActivity, profile
+
+    from tiny_fsdp.core.optim import AdamW
+
+    gen = torch.Generator().manual_seed(0)
+    params = [nn.Parameter(torch.randn(64, generator=gen).cuda()) for _ in range(150)]
+    ref = [nn.Parameter(p.detach().clone()) for p in params]
+    for p, r in zip(params, ref):
+        p.grad = torch.randn(64, generator=gen).cuda()
+        r.grad = p.grad.clone()
+    ours, theirs = AdamW(params, **HYPER), torch.optim.AdamW(ref, **HYPER)
+    ours.step()  # the state is made on the first step
+    theirs.step()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        ours.step()
+        torch.cuda.synchronize()
+    theirs.step()
+    kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    assert 0 < len(kernels) < len(params), len(kernels)  # per tensor it would be ~8 each
+    for p, r in zip(params, ref):
+        torch.testing.assert_close(p, r, atol=1e-6, rtol=0)

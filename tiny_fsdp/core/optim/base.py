@@ -3,13 +3,12 @@
 [Note: one update rule]
 Each optimizer's math lives in exactly one plain function that updates a list of tensors in
 place, ``rule_(params, grads, states, *, hyper-parameters) -> None`` (see ``sgd_update_`` and
-``adamw_update_``). Each line of the rule is one ``torch._foreach_*`` op over the whole list: on
-CUDA a step launches a few kernels per batch of tensors instead of a dozen per tensor (a GPT-2
-has ~150 tensors), as torch.optim's default "foreach" path does; on CPU it runs the same
-per-tensor kernels. The rule is elementwise and treats each tensor on its own: updating a
-tensor alone, within any list, or as slices each with its own state dict gives the same result
-bit for bit. This is what lets every data-parallel strategy reuse the same rule and differ only
-in WHICH tensors it feeds it:
+``adamw_update_``). Each line of the rule is one ``torch._foreach_*`` op over the whole list, so
+on CUDA a step launches a few kernels per batch of tensors instead of a dozen per tensor (a GPT-2
+has ~150 tensors), as torch.optim's default there does. The rule is elementwise and treats each
+tensor on its own: updating a tensor alone, within any list, or as slices each with its own
+state dict gives the same result bit for bit. This is what lets every data-parallel strategy
+reuse the same rule and differ only in WHICH tensors it feeds it:
 
 * DDP: the full parameters, after all-reducing their grads;
 * ZeRO-1/2: only the parameters (or dim-0 shards of them) this rank owns;
@@ -17,11 +16,11 @@ in WHICH tensors it feeds it:
 
 ``BaseOptimizer.step`` asks ``_tensors_to_update(group)`` for ``(param, grad, state)`` triples
 (a strategy's optimizer overrides only that method) and hands them to the rule in batches
-(``update_batches``): one device and dtype per batch, so CUDA's fused multi-tensor kernels
-apply, and at most ``UPDATE_BATCH_BYTES`` of parameters per batch on an accelerator (a larger
-tensor alone), so the rule's temporaries (one denominator per tensor for AdamW) stay bounded by
-``max(UPDATE_BATCH_BYTES, largest tensor)``. On the CPU each tensor is its own batch
-(``batch_limit``): there a batch only costs memory. The rule never modifies a ``grad`` (it may be a
+(``update_batches``) of one device and dtype, so CUDA's multi-tensor kernels apply. A batch holds
+at most ``UPDATE_BATCH_BYTES`` of parameters (a larger tensor alone), which bounds the rule's
+temporaries (AdamW: one denominator per tensor) by ``max(UPDATE_BATCH_BYTES, largest tensor)``.
+On the CPU, where a ``_foreach_*`` op runs the per-tensor kernels one after another, every
+tensor is a batch of its own (``batch_limit``). The rule never modifies a ``grad`` (it may be a
 communication buffer) and keeps everything it needs between steps in ``state``, which by
 default is ``self.state[param]`` so ``state_dict`` round-trips exactly like ``torch.optim``.
 """
