@@ -24,6 +24,7 @@ from tests.parity import (
     local_slice,
     make_model,
 )
+from tests.zoo import BranchyNet
 from tiny_fsdp.core.comm import LEDGER
 from tiny_fsdp.core.ddp import DDP, DDPSGD, DDPAdamW, build_buckets
 
@@ -290,23 +291,6 @@ def test_tied_weight_is_reduced_once_with_both_uses() -> None:
     run_distributed(_tied_worker, 2)
 
 
-class _BranchyNet(nn.Module):
-    """``branch`` runs only when asked; ``never`` is never used."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.inp = nn.Linear(6, 8)
-        self.branch = nn.Linear(8, 8)
-        self.never = nn.Linear(8, 8)
-        self.out = nn.Linear(8, 3)
-
-    def forward(self, x: torch.Tensor, use_branch: bool) -> torch.Tensor:
-        h = torch.tanh(self.inp(x))  # (B, 8)
-        if use_branch:
-            h = h + self.branch(h)
-        return self.out(h)  # (B, 3)
-
-
 # Which ranks use `branch` in the synchronised backward, and in an earlier no_sync backward.
 UNUSED_CASES = {
     "rank 0 only": (lambda r: r == 0, None),
@@ -319,7 +303,7 @@ def _unused_worker(rank: int, world_size: int) -> None:
     for case, (sync_uses, earlier_uses) in UNUSED_CASES.items():
         for async_comm in (False, True):
             torch.manual_seed(0)
-            reference = _BranchyNet()
+            reference = BranchyNet()
             # 0.0001 MiB = 104 bytes: every Linear's weight sits in a bucket of its own.
             model, optimizer = build(
                 "ddp",

@@ -36,6 +36,7 @@ from tiny_fsdp.estimate import estimate_memory, estimate_model
 
 WORLD_SIZES = [2, 3]
 FP32 = 4
+INT32 = 4  # ZeRO-1/2: a flag per parameter, who had a gradient
 # Smaller than any gpt2_tiny parameter: every parameter gets a bucket of its own.
 ONE_PARAM_BUCKET_MB = 1e-7
 # The estimator ignores padding and the 4-byte step counter of each optimizer tensor: on
@@ -174,11 +175,17 @@ def expected_traffic(variant: str, n: int, backend: str = "gloo") -> Dict[str, T
     if name in ("zero1", "zero2"):
         buckets = _zero_buckets(option == "buckets")
         padded = FP32 * sum(_padded(b, n) for b in buckets)
+        flags = (1, INT32 * tensors)  # one all-reduce ([Note: ZeRO gradient stores])
         if backend == "gloo":
             # [Note: ZeRO collectives on gloo]: all-reduce each bucket (keep the own chunk),
             # broadcast each rank's chunk from its owner (same payload as the all-gather).
-            return {"all_reduce": (len(buckets), padded), "broadcast": (n * len(buckets), padded)}
-        return {"reduce_scatter": (len(buckets), padded), "all_gather": (len(buckets), padded)}
+            reduce = (len(buckets) + flags[0], padded + flags[1])
+            return {"all_reduce": reduce, "broadcast": (n * len(buckets), padded)}
+        return {
+            "reduce_scatter": (len(buckets), padded),
+            "all_gather": (len(buckets), padded),
+            "all_reduce": flags,
+        }
     if name == "zero3":
         # Per use of a layer: broadcast each tensor in forward and backward, reduce its grad;
         # the last layer of forward stays full for its backward, which comes next.

@@ -12,11 +12,13 @@ from typing import Any, Dict, List, Set, Tuple
 import pytest
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 from torch import nn
 
 from tests.build import adamw, build, sgd
 from tests.harness import run_distributed
 from tests.parity import PARAM_ATOL, check_parity, global_batch, lm_loss, local_slice, make_model
+from tests.zoo import BranchyNet
 from tiny_fsdp.core.comm import LEDGER
 from tiny_fsdp.core.module import convert_module
 from tiny_fsdp.core.zero import FlatLayout, StagedGradShard, Zero1AdamW, Zero2, Zero2SGD
@@ -627,3 +629,47 @@ def test_a_bucket_of_one_unpadded_parameter_stages_in_its_gradient() -> None:
     assert store.stats.live_bytes == (6 + 4) * 4  # [a, b]: 3 elements padded to 4
     store.reset()
     assert store.stats.live_bytes == 0 and store.stats.peak_bytes == (6 + 4) * 4
+
+
+def _unused_worker(rank: int, world_size: int) -> List[str]:
+    """A branch used by rank 0 only, then by no rank; ``never`` never used: parameters after two
+    AdamW steps (weight decay on) as torch.optim's on one device, which skips a None grad."""
+    seen = []
+    for strategy in ("zero1", "zero2"):
+        torch.manual_seed(0)
+        reference = BranchyNet()
+        initial = copy.deepcopy(reference)
+        hyper = dict(lr=0.01, weight_decay=0.5)
+        ref_optimizer = torch.optim.AdamW(reference.parameters(), **hyper)
+        # 0.0001 MiB = 104 bytes: every Linear's weight sits in a bucket of its own.
+        model, optimizer = build(
+            strategy, copy.deepcopy(reference), adamw(**hyper), bucket_cap_mb=0.0001
+        )
+        gen = torch.Generator().manual_seed(1)
+        for uses in (lambda r: r == 0, lambda r: False):
+            data = [  # (x (4, 6), y (4, 3)) of every rank
+                (torch.randn(4, 6, generator=gen), torch.randn(4, 3, generator=gen))
+                for _ in range(world_size)
+            ]
+            for r, (x, y) in enumerate(data):  # one device: the mean of the ranks' losses
+                (F.mse_loss(reference(x, uses(r)), y) / world_size).backward()
+            ref_optimizer.step()
+            ref_optimizer.zero_grad()
+            x, y = data[rank]
+            F.mse_loss(model(x, uses(rank)), y).backward()
+            optimizer.step()
+            optimizer.zero_grad()
+        for (name, ours), ref in zip(model.module.named_parameters(), reference.parameters()):
+            gap = (ours - ref).abs().max().item()
+            assert gap <= PARAM_ATOL, f"rank {rank} {strategy}: {name} differs by {gap:.2e}"
+        for ours, start in zip(model.module.never.parameters(), initial.never.parameters()):
+            assert torch.equal(ours, start), f"{strategy}: an unused parameter was stepped"
+        seen.append(strategy)
+    return seen
+
+
+def test_parameters_no_rank_used_are_not_stepped() -> None:
+    """A parameter unused on some ranks gets the average of the others'; unused on all, it is
+    skipped by the optimizer (no weight decay, no momentum), as torch.optim skips a None grad."""
+    for world_size in (2, 3):
+        assert run_distributed(_unused_worker, world_size)[0] == ["zero1", "zero2"]

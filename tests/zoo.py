@@ -151,3 +151,20 @@ def hf_models() -> Dict[str, Tuple[Callable[[], nn.Module], LossFn, int]]:
             VOCAB,
         ),
     }
+
+
+class BranchyNet(nn.Module):
+    """``branch`` runs only when asked; ``never`` is never used."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp = nn.Linear(6, 8)
+        self.branch = nn.Linear(8, 8)
+        self.never = nn.Linear(8, 8)
+        self.out = nn.Linear(8, 3)
+
+    def forward(self, x: torch.Tensor, use_branch: bool) -> torch.Tensor:
+        h = torch.tanh(self.inp(x))  # (B, 8)
+        if use_branch:
+            h = h + self.branch(h)
+        return self.out(h)  # (B, 3)

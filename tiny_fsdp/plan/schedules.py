@@ -218,6 +218,9 @@ def _bucketed(s: StepSetup, zero_stage: int) -> StepPlan:
             seconds = comms.seconds(kind, buckets[len(launched)] * s.param_bytes, n)
             launched.append(tl.add("comm", seconds, label=f"reduce bucket {len(launched)}"))
     tl.wait(launched)
+    if zero_stage:  # which tensors had a gradient: an int32 flag each ([Note: ZeRO gradient
+        # stores])
+        tl.wait([tl.add("comm", comms.seconds("all_reduce", 4 * len(s.costs.tensors), n))])
     if zero_stage == 0:
         optimizer = _optimizer_s(cal, s.costs.num_params, len(s.costs.tensors))
     else:

@@ -24,16 +24,25 @@ flat layout ([Note: ZeRO flat layout]) and differ only in the store they plug in
 Both stores give the optimizer the reduced gradient of each owned piece (``reduced_grad``) and
 clear gradients for it (``zero_grad``). The reduction leaves nothing to accumulate onto, so a
 backward on reduced gradients (no ``zero_grad`` since the last synchronised backward) raises
-instead of silently summing garbage. A parameter without a gradient on every rank gets a zero
-gradient (the optimizer still applies momentum / weight decay to it).
+instead of silently summing garbage.
+
+A parameter unused in a rank's forward contributes zeros, so the average is right when another
+rank used it. When NO rank had a gradient for it (a branch no rank took, a module never
+called), torch.optim would find ``.grad`` None and skip it: no step, no weight decay, no
+momentum. So ``end`` of a synchronised backward all-reduces one flag per parameter (1: this rank
+had a gradient) and ``without_grad`` names the parameters whose flags sum to 0; the optimizer
+skips their pieces. That is one small collective per step (int32, one element per parameter);
+its result is read on the host only by a rank that lacked a gradient itself (rare: reading it
+waits for a GPU).
 """
 
 from abc import ABC, abstractmethod
-from typing import Any, Dict, List, Optional, Sequence
+from typing import Any, Dict, FrozenSet, List, Optional, Sequence
 
 import torch
 from torch import nn
 
+from tiny_fsdp.core import comm
 from tiny_fsdp.core.reductions import ReduceStats
 from tiny_fsdp.core.zero.flat_buffer import (
     Bucket,
@@ -58,6 +67,8 @@ class ZeroGradStore(ABC):
         stage: the ZeRO stage this store implements (a label: nothing branches on it).
         params: the trainable parameters in layout order.
         reduced: a synchronised backward reduced gradients that were not cleared since.
+        without_grad: indices of the parameters no rank had a gradient for in the last
+            synchronised backward (the optimizer skips them).
     """
 
     stage = 0
@@ -78,6 +89,8 @@ class ZeroGradStore(ABC):
         self.dtype, self.device, self.rank = dtype, device, rank
         self.world_size = layout.world_size
         self.reduced = False
+        self.without_grad: FrozenSet[int] = frozenset()
+        self._has_grad = [False] * len(self.params)  # this backward, on this rank
         self._pending: Dict[int, PendingReduce] = {}  # bucket -> reduction in flight
 
     def begin(self, sync: bool) -> None:
@@ -101,12 +114,31 @@ class ZeroGradStore(ABC):
     def finish(self, bucket: int) -> None:
         self._pending.pop(bucket).wait()
 
+    def add(self, index: int, param: nn.Parameter) -> None:
+        """``param.grad / N`` into its bucket (``param.grad`` None: zeros)."""
+        self._has_grad[index] = param.grad is not None
+        self._stage(index, param)
+
     def end(self, sync: bool) -> None:
         if sync:
             self.reduced = True
+            self.without_grad = self._params_no_rank_had_a_grad_for()
+
+    def _params_no_rank_had_a_grad_for(self) -> FrozenSet[int]:
+        """All-reduce a flag per parameter (see [Note: ZeRO gradient stores])."""
+        have_all = all(self._has_grad)
+        if have_all:
+            flags = torch.ones(len(self.params), dtype=torch.int32, device=self.device)
+        else:
+            flags = torch.tensor(self._has_grad, dtype=torch.int32).to(self.device)
+        comm.all_reduce(flags)
+        if have_all:
+            return frozenset()
+        return frozenset(i for i, n in enumerate(flags.tolist()) if n == 0)
 
     def reset(self) -> None:
         self._pending = {}
+        self._has_grad = [False] * len(self.params)
 
     @torch.no_grad()
     def zero_grad(self, set_to_none: bool = True) -> None:
@@ -121,7 +153,7 @@ class ZeroGradStore(ABC):
         """``no_sync`` hook: the full local gradient stays, accumulating."""
 
     @abstractmethod
-    def add(self, index: int, param: nn.Parameter) -> None:
+    def _stage(self, index: int, param: nn.Parameter) -> None:
         """``param.grad / N`` into its bucket's ``_source`` (``param.grad`` None: zeros)."""
 
     @abstractmethod
@@ -157,7 +189,7 @@ class FullGradBuffer(ZeroGradStore):
     def keep_local(self, index: int, param: nn.Parameter) -> None:
         self._into_view(index, param, divide=False)
 
-    def add(self, index: int, param: nn.Parameter) -> None:
+    def _stage(self, index: int, param: nn.Parameter) -> None:
         self._into_view(index, param, divide=self.world_size > 1)
 
     def _into_view(self, index: int, param: nn.Parameter, divide: bool) -> None:
@@ -213,7 +245,7 @@ class StagedGradShard(ZeroGradStore):
     def keep_local(self, index: int, param: nn.Parameter) -> None:
         pass  # autograd accumulates into the full param.grad
 
-    def add(self, index: int, param: nn.Parameter) -> None:
+    def _stage(self, index: int, param: nn.Parameter) -> None:
         """``param.grad / N`` into the bucket's staging buffer; drop ``param.grad``."""
         slot = self.layout.slots[index]
         bucket = self.layout.buckets[slot.bucket]

@@ -10,7 +10,8 @@ master; nothing is duplicated), else an fp32 copy (a view of one contiguous fp32
 1. applies the unchanged update rule (``adamw_update_`` / ``sgd_update_``) to every piece's
    master with its reduced gradient (``wrapper.reduced_grad``: a view into the gradient store,
    [Note: ZeRO gradient stores]; cast to fp32 by the rule) and its own state, so optimizer
-   state exists for owned elements only;
+   state exists for owned elements only. Pieces of parameters no rank had a gradient for are
+   skipped (``wrapper.params_without_grad``), as torch.optim skips a ``.grad`` of None;
 2. writes separate masters back into the parameter buffer, rounded to the parameter dtype;
 3. all-gathers the parameter buffer bucket by bucket: every rank has the new full parameters.
 
@@ -132,8 +133,10 @@ class _ZeroOptimizer:
     def _tensors_to_update(self, group: Dict[str, Any]) -> Any:
         if not self._wrapper.grads_reduced:
             return  # no synchronised backward since the last zero_grad: nothing to apply
+        skipped = self._wrapper.params_without_grad
         for op in self._pieces[id(group)]:
-            yield op.master, op.grad, self.state[op.master]
+            if op.piece.index not in skipped:
+                yield op.master, op.grad, self.state[op.master]
 
     @torch.no_grad()
     def step(self, closure: Optional[Callable[[], Any]] = None) -> Any:

@@ -15,7 +15,7 @@ updated parameters. Collectives: [Note: ZeRO collectives on gloo].
 """
 
 import weakref
-from typing import Any, Dict, List, Optional, Sequence, Type
+from typing import Any, Dict, FrozenSet, List, Optional, Sequence, Type
 
 import torch
 import torch.distributed as dist
@@ -165,6 +165,12 @@ class ZeroWrapper(ReplicatedWrapper):
     def grads_reduced(self) -> bool:
         """A synchronised backward reduced gradients that were not cleared since."""
         return self._grads.reduced
+
+    @property
+    def params_without_grad(self) -> FrozenSet[int]:
+        """Layout indices of the parameters no rank had a gradient for in the last synchronised
+        backward: the optimizer skips them, as torch.optim skips a ``.grad`` of None."""
+        return self._grads.without_grad
 
     def index_of(self, param: torch.Tensor) -> int:
         """Layout index of trainable parameter ``param`` (KeyError if it is not one)."""
