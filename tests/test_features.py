@@ -265,6 +265,8 @@ def _check_bf16(rank: int, world_size: int) -> None:
             lm_loss(model(xs).float(), ys).backward()
             optimizer.step()
             payload[policy] = dict(comm.LEDGER.payload_bytes)
+            if strategy in ("zero1", "zero2"):  # int32 flags, who had a gradient: no gradient
+                payload[policy]["all_reduce"] -= 4 * len(model.params)
         for kinds in (PARAM_KINDS, GRAD_KINDS):
             fp32 = sum(payload[None].get(k, 0) for k in kinds)
             bf16 = sum(payload[BF16].get(k, 0) for k in kinds)

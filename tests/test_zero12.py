@@ -361,15 +361,19 @@ def _check_bytes(
         assert abs(held[kind] - formula) <= slack, f"{what}: {kind} {held[kind]} vs {formula}"
     # The padded gradient buffer is reduced once and the parameter buffer gathered once, by
     # reduce-scatter / all-gather, or on gloo all-reduce / broadcasts ([Note: ZeRO collectives
-    # on gloo]); nothing else is sent.
+    # on gloo]); besides, one int32 flag per parameter is all-reduced (who had a gradient,
+    # [Note: ZeRO gradient stores]); nothing else is sent.
     flat_bytes = model.layout.numel * dtype.itemsize
-    gloo = dist.get_backend() == "gloo"
-    reduce_kind, gather_kind = (
-        ("all_reduce", "broadcast") if gloo else ("reduce_scatter", "all_gather")
-    )
-    assert LEDGER.payload_bytes[reduce_kind] == flat_bytes, what
-    assert LEDGER.payload_bytes[gather_kind] == flat_bytes, what
-    assert sum(LEDGER.payload_bytes.values()) == 2 * flat_bytes, f"{what}: {LEDGER.payload_bytes}"
+    flag_bytes = 4 * len(model.params)
+    if dist.get_backend() == "gloo":
+        expected_payload = {"all_reduce": flat_bytes + flag_bytes, "broadcast": flat_bytes}
+    else:
+        expected_payload = {
+            "reduce_scatter": flat_bytes,
+            "all_gather": flat_bytes,
+            "all_reduce": flag_bytes,
+        }
+    assert dict(LEDGER.payload_bytes) == expected_payload, what
     if stage == 2:
         # Buckets are freed as they are reduced: at most the bucket being filled and the tied
         # embedding's bucket (its gradient is ready last) are alive besides the shard, plus,
