@@ -675,5 +675,5 @@ def _unused_worker(rank: int, world_size: int) -> List[str]:
 def test_parameters_no_rank_used_are_not_stepped() -> None:
     """A parameter unused on some ranks gets the average of the others'; unused on all, it is
     skipped by the optimizer (no weight decay, no momentum), as torch.optim skips a None grad."""
-    for world_size in (2, 3):
-        assert run_distributed(_unused_worker, world_size)[0] == ["zero1", "zero2"]
+    # 3 ranks: the branch is used by one rank and skipped by two, then used by none.
+    assert run_distributed(_unused_worker, 3)[0] == ["zero1", "zero2"]
