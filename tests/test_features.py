@@ -24,6 +24,7 @@ from tests.parity import PARAM_ATOL, global_batch, lm_loss, local_slice, make_mo
 from tiny_fsdp.core import comm
 from tiny_fsdp.core.module import ParamHandler, convert_module
 from tiny_fsdp.core.precision import MixedPrecisionPolicy, apply_mixed_precision
+from tiny_fsdp.core.zero.grad_stores import FLAG_DTYPE
 
 STRATEGIES = ["single", "ddp", "zero1", "zero2", "zero3", "fsdp"]
 # FSDP gathers per layer here (its default is per block): the checkpointing figures below count
@@ -265,8 +266,8 @@ def _check_bf16(rank: int, world_size: int) -> None:
             lm_loss(model(xs).float(), ys).backward()
             optimizer.step()
             payload[policy] = dict(comm.LEDGER.payload_bytes)
-            if strategy in ("zero1", "zero2"):  # int32 flags, who had a gradient: no gradient
-                payload[policy]["all_reduce"] -= 4 * len(model.params)
+            if strategy in ("zero1", "zero2"):  # the "had a gradient" flags are no gradients
+                payload[policy]["all_reduce"] -= FLAG_DTYPE.itemsize * len(model.params)
         for kinds in (PARAM_KINDS, GRAD_KINDS):
             fp32 = sum(payload[None].get(k, 0) for k in kinds)
             bf16 = sum(payload[BF16].get(k, 0) for k in kinds)

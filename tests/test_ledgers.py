@@ -30,13 +30,13 @@ from tests.parity import global_batch, lm_loss, local_slice, make_model
 from tiny_fsdp.core.comm import LEDGER
 from tiny_fsdp.core.memory import MemoryReport, allocated_bytes, memory_ledger, peak_growth
 from tiny_fsdp.core.module import CallbackModule, convert_module
+from tiny_fsdp.core.zero.grad_stores import FLAG_DTYPE
 from tiny_fsdp.core.optim import AdamW
 from tiny_fsdp.core.zero3 import zero3_partition_tensors
 from tiny_fsdp.estimate import estimate_memory, estimate_model
 
 WORLD_SIZES = [2, 3]
 FP32 = 4
-INT32 = 4  # ZeRO-1/2: a flag per parameter, who had a gradient
 # Smaller than any gpt2_tiny parameter: every parameter gets a bucket of its own.
 ONE_PARAM_BUCKET_MB = 1e-7
 # The estimator ignores padding and the 4-byte step counter of each optimizer tensor: on
@@ -175,7 +175,7 @@ def expected_traffic(variant: str, n: int, backend: str = "gloo") -> Dict[str, T
     if name in ("zero1", "zero2"):
         buckets = _zero_buckets(option == "buckets")
         padded = FP32 * sum(_padded(b, n) for b in buckets)
-        flags = (1, INT32 * tensors)  # one all-reduce ([Note: ZeRO gradient stores])
+        flags = (1, FLAG_DTYPE.itemsize * tensors)  # ([Note: ZeRO gradient stores])
         if backend == "gloo":
             # [Note: ZeRO collectives on gloo]: all-reduce each bucket (keep the own chunk),
             # broadcast each rank's chunk from its owner (same payload as the all-gather).

@@ -39,6 +39,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from tests.harness import run_distributed
+from tiny_fsdp.core.zero.grad_stores import FLAG_DTYPE
 from tiny_fsdp.models.gpt2 import GPT2Model, GPTConfig, GPTConfigs
 from tiny_fsdp.plan import STRATEGIES, gpt2_costs, load_calibration, plan
 from tiny_fsdp.plan.measure import Calibrator, calibration_from
@@ -223,7 +224,7 @@ def test_planner_predicts_the_bytes_and_calls_of_every_collective_exactly():
             for rank, result in enumerate(_measured(world)):
                 assert result[name][1] == (expected, calls), (world, name, rank)
     nccl = plan(costs, load_calibration("a100_sxm"), 4, BATCH, SEQ)
-    flags = 4 * len(costs.tensors)  # ZeRO-1/2: who had a gradient, all-reduced on both
+    flags = FLAG_DTYPE.itemsize * len(costs.tensors)  # ZeRO-1/2: who had a gradient
     for name in ("zero1", "zero2"):  # the same bucket bytes, as reduce-scatter + all-gather
         by_kind = {kind: n for (_, kind), n in nccl[name].payload_bytes.items()}
         on_gloo = _measured(4)[0][name][1][0]

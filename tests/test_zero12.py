@@ -22,6 +22,7 @@ from tests.zoo import BranchyNet
 from tiny_fsdp.core.comm import LEDGER
 from tiny_fsdp.core.module import convert_module
 from tiny_fsdp.core.zero import FlatLayout, StagedGradShard, Zero1AdamW, Zero2, Zero2SGD
+from tiny_fsdp.core.zero.grad_stores import FLAG_DTYPE
 
 WORLD_SIZES = [1, 2, 3, 4]
 TINY_BUCKET_MB = 0.002  # ~500 fp32 elements: gpt2_tiny (10062 parameters) makes ~20 buckets
@@ -364,7 +365,7 @@ def _check_bytes(
     # on gloo]); besides, one int32 flag per parameter is all-reduced (who had a gradient,
     # [Note: ZeRO gradient stores]); nothing else is sent.
     flat_bytes = model.layout.numel * dtype.itemsize
-    flag_bytes = 4 * len(model.params)
+    flag_bytes = FLAG_DTYPE.itemsize * len(model.params)
     if dist.get_backend() == "gloo":
         expected_payload = {"all_reduce": flat_bytes + flag_bytes, "broadcast": flat_bytes}
     else:

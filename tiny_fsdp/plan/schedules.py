@@ -38,6 +38,7 @@ from typing import Dict, List, Optional, Tuple
 import torch
 
 from tiny_fsdp.core.comm import ring_bytes
+from tiny_fsdp.core.zero.grad_stores import FLAG_DTYPE
 from tiny_fsdp.plan.calibration import Calibration
 from tiny_fsdp.plan.collectives import collective_s
 from tiny_fsdp.plan.model_costs import ModelCosts
@@ -218,9 +219,9 @@ def _bucketed(s: StepSetup, zero_stage: int) -> StepPlan:
             seconds = comms.seconds(kind, buckets[len(launched)] * s.param_bytes, n)
             launched.append(tl.add("comm", seconds, label=f"reduce bucket {len(launched)}"))
     tl.wait(launched)
-    if zero_stage:  # which tensors had a gradient: an int32 flag each ([Note: ZeRO gradient
-        # stores])
-        tl.wait([tl.add("comm", comms.seconds("all_reduce", 4 * len(s.costs.tensors), n))])
+    if zero_stage:  # which tensors had a gradient: a flag each ([Note: ZeRO gradient stores])
+        flags = FLAG_DTYPE.itemsize * len(s.costs.tensors)
+        tl.wait([tl.add("comm", comms.seconds("all_reduce", flags, n))])
     if zero_stage == 0:
         optimizer = _optimizer_s(cal, s.costs.num_params, len(s.costs.tensors))
     else:

@@ -56,6 +56,10 @@ from tiny_fsdp.core.zero.flat_buffer import (
     shard_piece,
 )
 
+#: dtype of the per-parameter "had a gradient" flags all-reduced at the end of a synchronised
+#: backward ([Note: ZeRO gradient stores]).
+FLAG_DTYPE = torch.int32
+
 
 class ZeroGradStore(ABC):
     """What ZeRO-1 and ZeRO-2 share: buckets of ``layout``, reductions, the reduced flag.
@@ -128,9 +132,9 @@ class ZeroGradStore(ABC):
         """All-reduce a flag per parameter (see [Note: ZeRO gradient stores])."""
         have_all = all(self._has_grad)
         if have_all:
-            flags = torch.ones(len(self.params), dtype=torch.int32, device=self.device)
+            flags = torch.ones(len(self.params), dtype=FLAG_DTYPE, device=self.device)
         else:
-            flags = torch.tensor(self._has_grad, dtype=torch.int32).to(self.device)
+            flags = torch.tensor(self._has_grad, dtype=FLAG_DTYPE).to(self.device)
         comm.all_reduce(flags)
         if have_all:
             return frozenset()
