@@ -28,7 +28,9 @@ from tests.zoo import BranchyNet
 from tiny_fsdp.core.comm import LEDGER
 from tiny_fsdp.core.ddp import DDP, DDPSGD, DDPAdamW, build_buckets
 
-WORLD_SIZES = [1, 2, 3, 4]
+# DDP's arithmetic does not depend on how many ranks there are past 2 (every gradient is summed
+# whole): 3 ranks cover the odd count, and a 4th rank on 2 CPU cores only slows the suite.
+WORLD_SIZES = [1, 2, 3]
 TINY_BUCKET_MB = 0.002  # ~500 fp32 gradients: gpt2_tiny is cut into ~20 buckets
 # Gradients of the global-batch mean after one backward from identical weights: the same float32
 # products summed in another order (per rank, then across ranks); measured <= 1e-7, and a wrong

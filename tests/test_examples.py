@@ -1,7 +1,8 @@
 """End to end: every example script, launched as users launch it, trains to the numbers of
 single-device training with the same global batch.
 
-These start real processes (torchrun), so they are few and tiny: gpt2_bytes, 3 steps.
+These start real processes (torchrun), so they are few and tiny: gpt2_bytes, 3 steps, the
+default corpus read from a token file (``corpus_bin``).
 """
 
 import os
@@ -51,54 +52,35 @@ def _torchrun(nproc: int) -> List[str]:
 
 
 @pytest.fixture(scope="module")
-def single_device_losses() -> List[float]:
+def common(corpus_bin: str) -> List[str]:
+    return [*COMMON, "--data", corpus_bin]
+
+
+@pytest.fixture(scope="module")
+def single_device_losses(common) -> List[float]:
     """One process with the global batch of 2 ranks x 2 sequences."""
-    out = _run([sys.executable, "example/single_device/train.py", *COMMON, "--batch_size", "4"])
+    out = _run([sys.executable, "example/single_device/train.py", *common, "--batch_size", "4"])
     losses = _losses(out)
     assert len(losses) == 3 and losses[-1] < losses[0]
     return losses
 
 
 @pytest.mark.parametrize("strategy", ["ddp", "zero1", "zero2", "zero3", "fsdp"])
-def test_example_matches_single_device(strategy, single_device_losses):
-    out = _run([*_torchrun(2), f"example/{strategy}/train.py", *COMMON, "--batch_size", "2"])
+def test_example_matches_single_device(strategy, common, single_device_losses):
+    out = _run([*_torchrun(2), f"example/{strategy}/train.py", *common, "--batch_size", "2"])
     losses = _losses(out)
     assert len(losses) == 3, out
     for ours, ref in zip(losses, single_device_losses):
         assert abs(ours - ref) <= LOSS_ATOL, (strategy, losses, single_device_losses)
 
 
-def test_ddp_across_two_torchrun_nodes(single_device_losses):
-    """Two torchrun "nodes" of one process each: RANK differs, LOCAL_RANK is 0 on both."""
-    port = str(_free_port())
-    procs = []
-    for node in range(2):
-        launcher = [sys.executable, "-m", "torch.distributed.run", "--nnodes=2",
-                    "--nproc_per_node=1", f"--node_rank={node}", "--master_addr=127.0.0.1",
-                    f"--master_port={port}"]  # fmt: skip
-        cmd = [*launcher, "example/ddp/train.py", *COMMON, "--batch_size", "2"]
-        env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=ROOT)
-        procs.append(
-            subprocess.Popen(
-                cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
-            )
-        )
-    outs = [p.communicate(timeout=180) for p in procs]
-    for p, (out, err) in zip(procs, outs):
-        assert p.returncode == 0, err[-3000:]
-    losses = _losses(outs[0][0])  # node 0 hosts global rank 0, which prints
-    assert _losses(outs[1][0]) == []  # global rank 1 prints nothing, though its LOCAL_RANK is 0
-    for ours, ref in zip(losses, single_device_losses):
-        assert abs(ours - ref) <= LOSS_ATOL
-    assert len(losses) == 3
-
-
-def test_fsdp_hsdp_across_two_torchrun_nodes_of_two_ranks(single_device_losses):
+def test_fsdp_hsdp_across_two_torchrun_nodes_of_two_ranks(common, single_device_losses):
     """``--hsdp 2`` on two torchrun "nodes" of 2 ranks (each node one shard group, [Note: hybrid
     sharding]), 1 sequence per rank: the global batch of the single-device run. Two steps: the
-    learning rate of the first step, and so the second loss, do not depend on ``--steps``."""
+    learning rate of the first step, and so the second loss, do not depend on ``--steps``. Only
+    global rank 0 prints, although node 1's first rank has LOCAL_RANK 0 too."""
     port = str(_free_port())
-    args = [*COMMON[:3], "2", *COMMON[4:], "--batch_size", "1", "--hsdp", "2"]  # --steps 2
+    args = [*common[:3], "2", *common[4:], "--batch_size", "1", "--hsdp", "2"]  # --steps 2
     procs = []
     for node in range(2):
         launcher = [sys.executable, "-m", "torch.distributed.run", "--nnodes=2",
@@ -114,7 +96,8 @@ def test_fsdp_hsdp_across_two_torchrun_nodes_of_two_ranks(single_device_losses):
     outs = [p.communicate(timeout=180) for p in procs]
     for p, (_, err) in zip(procs, outs):
         assert p.returncode == 0, err[-3000:]
-    losses = _losses(outs[0][0])
+    losses = _losses(outs[0][0])  # node 0 hosts global rank 0
     assert len(losses) == 2, outs[0][0]
+    assert _losses(outs[1][0]) == [], outs[1][0]  # global ranks 2 and 3
     for ours, ref in zip(losses, single_device_losses):
         assert abs(ours - ref) <= LOSS_ATOL, (losses, single_device_losses)

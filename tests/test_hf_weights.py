@@ -67,11 +67,11 @@ def test_a_directory_without_weights_says_what_is_expected(tmp_path):
 
 
 @pytest.mark.parametrize("strategy", ["zero2", "fsdp"])  # replicated and sharded loads
-def test_examples_start_from_the_saved_weights(saved, strategy):
+def test_examples_start_from_the_saved_weights(saved, strategy, corpus_bin):
     """Step 0's loss (before any update) is the saved model's loss on the same global batch."""
     directory, hf = saved
     args = ["--init_from", directory, "--steps", "1", "--seq_len", "16", "--batch_size", "2",
-            "--device", "cpu", "--log_every", "1", "--tokenizer", "byte"]  # fmt: skip
+            "--device", "cpu", "--log_every", "1", "--tokenizer", "byte", "--data", corpus_bin]  # fmt: skip
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
     proc = subprocess.run(
         [*cmd, f"example/{strategy}/train.py", *args],
@@ -85,8 +85,8 @@ def test_examples_start_from_the_saved_weights(saved, strategy):
     logged = float(proc.stdout.split("step     0 | loss ")[1].split()[0])
 
     # 2 ranks x 2 sequences read exactly the tokens of one process with 4 (example/data.py).
-    tokens = load_tokens(None, ByteTokenizer())
-    x, y = TokenBatches(tokens, 16, 0, source="embedded").get_batch(0, "train", 4, 0, 1)
+    tokens = load_tokens(corpus_bin, ByteTokenizer())
+    x, y = TokenBatches(tokens, 16, 0, source=corpus_bin).get_batch(0, "train", 4, 0, 1)
     with torch.no_grad():
         logits = hf(x).logits
     expected = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1)).item()

@@ -69,8 +69,8 @@ def _run_piped(cmd: List[str]) -> str:
     return text
 
 
-def test_output_to_a_pipe_has_step_lines_and_no_progress_bar_frames():
-    args = ["--model", "gpt2_bytes", "--device", "cpu", *SHORT]
+def test_output_to_a_pipe_has_step_lines_and_no_progress_bar_frames(corpus_bin):
+    args = ["--model", "gpt2_bytes", "--device", "cpu", "--data", corpus_bin, *SHORT]
     single = _run_piped([sys.executable, "example/single_device/train.py", *args])
     launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
     fsdp = _run_piped([*launcher, "--nproc_per_node=2", "example/fsdp/train.py", *args])
@@ -79,12 +79,12 @@ def test_output_to_a_pipe_has_step_lines_and_no_progress_bar_frames():
         assert len(STEP_LINE.findall(text)) == 2, text
 
 
-def test_on_a_terminal_the_bar_is_drawn_and_step_lines_stay_whole():
+def test_on_a_terminal_the_bar_is_drawn_and_step_lines_stay_whole(corpus_bin):
     primary, secondary = pty.openpty()
     fcntl.ioctl(secondary, termios.TIOCSWINSZ, struct.pack("HHHH", 24, 100, 0, 0))  # 24 x 100
     cmd = [sys.executable, "example/single_device/train.py", "--model", "gpt2_bytes"]
     proc = subprocess.Popen(
-        [*cmd, "--device", "cpu", *SHORT],
+        [*cmd, "--device", "cpu", "--data", corpus_bin, *SHORT],
         cwd=ROOT,
         env=_env(),
         stdout=secondary,
