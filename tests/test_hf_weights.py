@@ -71,7 +71,8 @@ def test_examples_start_from_the_saved_weights(saved, strategy, corpus_bin):
     """Step 0's loss (before any update) is the saved model's loss on the same global batch."""
     directory, hf = saved
     args = ["--init_from", directory, "--steps", "1", "--seq_len", "16", "--batch_size", "2",
-            "--device", "cpu", "--log_every", "1", "--tokenizer", "byte", "--data", corpus_bin]  # fmt: skip
+            "--device", "cpu", "--log_every", "1", "--tokenizer", "byte",
+            "--data", corpus_bin]  # fmt: skip
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
     proc = subprocess.run(
         [*cmd, f"example/{strategy}/train.py", *args],
