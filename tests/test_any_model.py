@@ -27,8 +27,7 @@ from tests.parity import LOSS_ATOL, PARAM_ATOL, global_batch, local_slice
 from tests.zoo import VOCAB, ZooLM, zoo_loss
 from tiny_fsdp.core.precision import MixedPrecisionPolicy
 
-# 3 ranks: uneven ZeRO pieces and FSDP padding on every model; 2 ranks run in every other
-# parity file.
+# 3 ranks, the odd count (2 ranks run in every other parity file): CI time.
 WORLD_SIZES = [3]
 STEPS, MICRO_STEPS, ROWS, SEQ = 3, 2, 2, 8  # ROWS sequences per rank and micro-step
 BUCKET_MB = 0.001  # 262 fp32 elements: every model is cut into several buckets (overlap)
