@@ -1,10 +1,11 @@
 """Multi-process test harness: run a function on N ranks that share a live process group.
 
 ``run_distributed(fn, world_size, *args)`` calls ``fn(rank, world_size, *args)`` on every rank
-and returns the per-rank results in rank order. Spawning a process and importing torch costs
+and returns the per-rank results in rank order. Starting a process and importing torch costs
 seconds, so the ranks live in persistent *worker pools*: one pool of ``world_size`` processes
 per ``(world_size, backend)``, started on first use, with its default process group initialised
-once, and reused by every later call for the rest of the pytest session.
+once, and reused by every later call for the rest of the pytest session. Workers fork from one
+server process that imported torch once ([Note: workers fork from a preloaded server]).
 
 Invariants the harness keeps:
 
@@ -60,6 +61,15 @@ STARTUP_TIMEOUT = 180.0
 ERROR_GRACE = 3.0
 # How long workers get to exit cleanly at shutdown before they are killed.
 SHUTDOWN_GRACE = 5.0
+# [Note: workers fork from a preloaded server]
+# Importing torch, and torch._dynamo (which every torch.optim optimizer imports on first use),
+# costs each new process about 4 s of CPU; a session starts some 40 workers (4 pool sizes, and a
+# fresh pool after every failure test), which on 2 cores is over a minute. So the workers fork
+# from multiprocessing's "forkserver", which imports these modules once: forking after
+# ``import torch`` is safe (nothing has run yet: no thread pools, no CUDA context), as for
+# DataLoader workers. Only imports are preloaded; each worker still gets its own process group
+# and torch state. Where there is no forkserver (Windows), workers are spawned.
+PRELOAD = ["torch", "torch.distributed", "torch._dynamo", "tiny_fsdp.core"]
 # A failed start is retried once: the free port we picked may have been taken in the meantime.
 START_ATTEMPTS = 2
 BACKENDS = ("gloo", "nccl")
@@ -221,6 +231,14 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
+def _start_context() -> multiprocessing.context.BaseContext:
+    if "forkserver" not in multiprocessing.get_all_start_methods():
+        return multiprocessing.get_context("spawn")
+    ctx = multiprocessing.get_context("forkserver")
+    ctx.set_forkserver_preload(PRELOAD)  # read when the server starts, with the first pool
+    return ctx
+
+
 class _StartupError(Exception):
     pass
 
@@ -240,7 +258,7 @@ class _WorkerPool:
         self.pids: list[int] = []
         # Stack dumps of stuck workers are written here (see _dump_stacks).
         self.dump_dir = tempfile.mkdtemp(prefix=f"tiny_fsdp_ws{world_size}_")
-        ctx = multiprocessing.get_context("spawn")
+        ctx = _start_context()
         port = _free_port()
         self.conns: list[Connection] = []
         self.procs: list[multiprocessing.process.BaseProcess] = []
@@ -482,10 +500,14 @@ def _worker_main(
 
 
 def _watch_parent(parent_pid: int) -> None:
-    # If the parent dies while we are stuck in a collective, nobody would ever kill us.
-    while os.getppid() == parent_pid:
+    # If the parent dies while we are stuck in a collective, nobody would ever kill us. (Our
+    # parent process is the fork server, so ask whether the test process is still there.)
+    while True:
+        try:
+            os.kill(parent_pid, 0)
+        except OSError:  # no such process (or a reused pid of another user's): it is gone
+            os._exit(1)
         time.sleep(1.0)
-    os._exit(1)
 
 
 def _init_process_group(rank: int, world_size: int, backend: str, port: int) -> Any:

@@ -1,5 +1,6 @@
 """What a newcomer meets first: every ``--model`` preset the examples offer trains on the default
-data, and the examples' output reads well in a log file and on a terminal.
+data, and the examples' output reads well on a terminal. (In a log file, where output goes to a
+pipe: ``tests/test_examples.py``.)
 
 (That ``pip install -e .`` alone installs what the library and the examples import, and installs
 no top-level ``example`` package, is proven by ``.ci/run`` in a fresh virtual environment:
@@ -14,7 +15,6 @@ import struct
 import subprocess
 import sys
 import termios
-from typing import List
 
 import pytest
 import torch
@@ -57,26 +57,6 @@ def test_every_offered_preset_trains_on_the_default_data(name):
 
 def _env() -> dict:
     return dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=ROOT)
-
-
-def _run_piped(cmd: List[str]) -> str:
-    """stdout and stderr into one pipe, as ``cmd > log 2>&1`` or a scheduler does."""
-    proc = subprocess.run(
-        cmd, cwd=ROOT, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, timeout=240
-    )
-    text = proc.stdout.decode()
-    assert proc.returncode == 0, text[-3000:]
-    return text
-
-
-def test_output_to_a_pipe_has_step_lines_and_no_progress_bar_frames(corpus_bin):
-    args = ["--model", "gpt2_bytes", "--device", "cpu", "--data", corpus_bin, *SHORT]
-    single = _run_piped([sys.executable, "example/single_device/train.py", *args])
-    launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
-    fsdp = _run_piped([*launcher, "--nproc_per_node=2", "example/fsdp/train.py", *args])
-    for text in (single, fsdp):
-        assert "\r" not in text
-        assert len(STEP_LINE.findall(text)) == 2, text
 
 
 def test_on_a_terminal_the_bar_is_drawn_and_step_lines_stay_whole(corpus_bin):
