@@ -606,8 +606,23 @@ def _errors_worker(rank: int, world_size: int) -> None:
         )
     x, y = (local_slice(t, rank, world_size) for t in _xy(0, 2 * world_size))
     lm_loss(model(x), y).backward()
-    with pytest.raises(RuntimeError, match="already reduced"):
-        lm_loss(model(x), y).backward()  # forgot zero_grad between synchronised backwards
+    with pytest.raises(RuntimeError, match="already reduced.* No Zero1 optimizer stepped"):
+        lm_loss(model(x), y).backward()  # two synchronised backwards: not how to accumulate
+    optimizer.step()
+    with pytest.raises(
+        RuntimeError, match=r"already reduced.*zero_grad\(\).* after optimizer\.step"
+    ):
+        lm_loss(model(x), y).backward()  # forgot zero_grad after the step
+    # A torch.optim optimizer cannot train a ZeRO model (ZeRO-2 leaves every .grad None): it
+    # fails at the next backward, naming the optimizers that can.
+    zero2 = Zero2(make_model(0))
+    torch_optimizer = torch.optim.AdamW(zero2.parameters(), lr=ADAM_LR)
+    lm_loss(zero2(x), y).backward()
+    assert all(p.grad is None for p in zero2.parameters())
+    torch_optimizer.step()
+    torch_optimizer.zero_grad()
+    with pytest.raises(RuntimeError, match="Zero2AdamW, Zero2SGD .* not a torch.optim one"):
+        lm_loss(zero2(x), y).backward()
 
 
 def test_misuse_raises_clear_errors() -> None:

@@ -71,6 +71,7 @@ class ZeroGradStore(ABC):
         stage: the ZeRO stage this store implements (a label: nothing branches on it).
         params: the trainable parameters in layout order.
         reduced: a synchronised backward reduced gradients that were not cleared since.
+        stepped: an optimizer step used the reduced gradients (set by the wrapper).
         without_grad: indices of the parameters no rank had a gradient for in the last
             synchronised backward (the optimizer skips them).
     """
@@ -93,17 +94,27 @@ class ZeroGradStore(ABC):
         self.dtype, self.device, self.rank = dtype, device, rank
         self.world_size = layout.world_size
         self.reduced = False
+        self.stepped = False
         self.without_grad: FrozenSet[int] = frozenset()
         self._has_grad = [False] * len(self.params)  # this backward, on this rank
         self._pending: Dict[int, PendingReduce] = {}  # bucket -> reduction in flight
 
     def begin(self, sync: bool) -> None:
-        if self.reduced:
-            raise RuntimeError(
-                f"Zero{self.stage}: backward on gradients already reduced by a synchronised "
-                "backward. Call optimizer.zero_grad() (or model.zero_grad()) between steps; to "
-                "accumulate over micro-batches use model.no_sync()."
+        if not self.reduced:
+            return
+        s = self.stage
+        if self.stepped:
+            cause = "Call optimizer.zero_grad() (or model.zero_grad()) after optimizer.step()"
+        else:  # e.g. a torch.optim optimizer, which finds no (ZeRO-2) or unsharded .grad
+            cause = (
+                f"No Zero{s} optimizer stepped on them: they reach only tiny_fsdp's Zero{s} "
+                f"optimizers (Zero{s}AdamW, Zero{s}SGD on model.named_parameters()), not a "
+                "torch.optim one (for torch.optim, wrap the model with DDP)"
             )
+        raise RuntimeError(
+            f"Zero{s}: backward on gradients already reduced by a synchronised backward. "
+            f"{cause}; to accumulate over micro-batches use model.no_sync()."
+        )
 
     def launch(self, bucket: int, async_op: bool) -> None:
         """Sum ``bucket`` (every rank's gradient / N) over ranks: this rank's chunk of the
@@ -125,7 +136,7 @@ class ZeroGradStore(ABC):
 
     def end(self, sync: bool) -> None:
         if sync:
-            self.reduced = True
+            self.reduced, self.stepped = True, False
             self.without_grad = self._params_no_rank_had_a_grad_for()
 
     def _params_no_rank_had_a_grad_for(self) -> FrozenSet[int]:

@@ -196,6 +196,7 @@ class ZeroWrapper(ReplicatedWrapper):
         for work in works:
             if work is not None:
                 work.wait()
+        self._grads.stepped = True  # an optimizer step's last act: it used the gradients
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Clear the gradients (the reduced ones included) before the next backward.
