@@ -1,13 +1,18 @@
-"""End to end: every example script, launched as users launch it, trains to the numbers of
+"""End to end: the example scripts, launched as users launch them, train to the numbers of
 single-device training with the same global batch.
 
-These start real processes (torchrun), so they are few and tiny: gpt2_bytes, 3 steps, the
-default corpus read from a token file (``corpus_bin``). Their stdout and stderr go to one pipe, as
-with ``> log 2>&1`` or a job scheduler: the log holds whole step lines and no progress-bar frames.
+Every script is the shared trainer (``example/trainer.py``) with its own strategy; the strategies
+the trainer builds are those of ``example/strategies.py``, which the benchmark test runs one by one
+(``tests/test_ledgers.py``). Launches start real processes (torchrun), so they are few and tiny:
+DDP, FSDP (also on two "nodes" with HSDP) and ZeRO-3 (its own partition table), gpt2_bytes, 3
+steps, the default corpus read from a token file (``corpus_bin``). Their stdout and stderr go to
+one pipe, as with ``> log 2>&1`` or a job scheduler: the log holds whole step lines and no
+progress-bar frames.
 """
 
 import os
 import re
+import runpy
 import socket
 import subprocess
 import sys
@@ -15,9 +20,15 @@ from typing import List
 
 import pytest
 
+from example import trainer
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 COMMON = ["--model", "gpt2_bytes", "--steps", "3", "--seq_len", "32", "--lr", "1e-3",
           "--log_every", "1", "--seed", "3", "--device", "cpu"]  # fmt: skip
+EXAMPLES = sorted(  # example/<strategy>/train.py
+    d for d in os.listdir(os.path.join(ROOT, "example"))
+    if os.path.isfile(os.path.join(ROOT, "example", d, "train.py"))
+)  # fmt: skip
 # The logged loss is printed with 4 decimals; strategies differ from one device only by float32
 # summation order (~1e-6), so equal-to-the-printed-digit up to one unit of rounding.
 LOSS_ATOL = 1.5e-4
@@ -63,14 +74,21 @@ def common(corpus_bin: str) -> List[str]:
 
 @pytest.fixture(scope="module")
 def single_device_losses(common) -> List[float]:
-    """One process with the global batch of 2 ranks x 2 sequences."""
-    out = _run([sys.executable, "example/single_device/train.py", *common, "--batch_size", "4"])
-    losses = _losses(out)
-    assert losses[-1] < losses[0]
+    """The trainer in this process with the global batch of 2 ranks x 2 sequences."""
+    losses = trainer.main("single_device", [*common, "--batch_size", "4"])
+    assert len(losses) == 3 and losses[-1] < losses[0]
     return losses
 
 
-@pytest.mark.parametrize("strategy", ["ddp", "zero1", "zero2", "zero3", "fsdp"])
+@pytest.mark.parametrize("strategy", EXAMPLES)
+def test_each_script_is_the_trainer_with_its_strategy(strategy, monkeypatch):
+    started = []
+    monkeypatch.setattr(trainer, "main", lambda name, argv=None: started.append(name))
+    runpy.run_path(os.path.join(ROOT, "example", strategy, "train.py"), run_name="__main__")
+    assert started == [strategy]
+
+
+@pytest.mark.parametrize("strategy", ["ddp", "zero3", "fsdp"])
 def test_example_matches_single_device(strategy, common, single_device_losses):
     out = _run([*_torchrun(2), f"example/{strategy}/train.py", *common, "--batch_size", "2"])
     losses = _losses(out)
