@@ -68,7 +68,8 @@ SHUTDOWN_GRACE = 5.0
 # from multiprocessing's "forkserver", which imports these modules once: forking after
 # ``import torch`` is safe (nothing has run yet: no thread pools, no CUDA context), as for
 # DataLoader workers. Only imports are preloaded; each worker still gets its own process group
-# and torch state. Where there is no forkserver (Windows), workers are spawned.
+# and torch state. NCCL pools (CUDA) and platforms without a forkserver (Windows) spawn their
+# workers: CUDA must never be touched before a fork, and those pools are few.
 PRELOAD = ["torch", "torch.distributed", "torch._dynamo", "tiny_fsdp.core"]
 # A failed start is retried once: the free port we picked may have been taken in the meantime.
 START_ATTEMPTS = 2
@@ -231,8 +232,8 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
-def _start_context() -> multiprocessing.context.BaseContext:
-    if "forkserver" not in multiprocessing.get_all_start_methods():
+def _start_context(backend: str) -> multiprocessing.context.BaseContext:
+    if backend != "gloo" or "forkserver" not in multiprocessing.get_all_start_methods():
         return multiprocessing.get_context("spawn")
     ctx = multiprocessing.get_context("forkserver")
     ctx.set_forkserver_preload(PRELOAD)  # read when the server starts, with the first pool
@@ -258,7 +259,7 @@ class _WorkerPool:
         self.pids: list[int] = []
         # Stack dumps of stuck workers are written here (see _dump_stacks).
         self.dump_dir = tempfile.mkdtemp(prefix=f"tiny_fsdp_ws{world_size}_")
-        ctx = _start_context()
+        ctx = _start_context(backend)
         port = _free_port()
         self.conns: list[Connection] = []
         self.procs: list[multiprocessing.process.BaseProcess] = []
