@@ -71,7 +71,7 @@ class ZeroGradStore(ABC):
         stage: the ZeRO stage this store implements (a label: nothing branches on it).
         params: the trainable parameters in layout order.
         reduced: a synchronised backward reduced gradients that were not cleared since.
-        stepped: an optimizer step used the reduced gradients (set by the wrapper).
+        stepped: an optimizer step used the reduced gradients (``mark_stepped``).
         without_grad: indices of the parameters no rank had a gradient for in the last
             synchronised backward (the optimizer skips them).
     """

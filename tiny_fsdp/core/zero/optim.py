@@ -143,6 +143,7 @@ class _ZeroOptimizer:
         """Update the owned pieces, write them back and all-gather the parameters."""
         loss = super().step(closure)  # type: ignore[misc]
         if self._wrapper.grads_reduced:  # the same on every rank: collectives stay paired
+            self._wrapper.mark_stepped()
             self._publish()
         self._consolidated = None  # stale now
         return loss

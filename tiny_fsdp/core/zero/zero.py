@@ -181,6 +181,10 @@ class ZeroWrapper(ReplicatedWrapper):
         backward (valid until the next backward; updated in place)."""
         return self._grads.reduced_grad(piece)
 
+    def mark_stepped(self) -> None:
+        """An optimizer step used the reduced gradients (the next backward's error says so)."""
+        self._grads.stepped = True
+
     def register_optimizer(self, optimizer: Any) -> None:
         """``optimizer`` updates this model: reload its masters after ``load_state_dict``."""
         self._optimizers.add(optimizer)
@@ -196,7 +200,6 @@ class ZeroWrapper(ReplicatedWrapper):
         for work in works:
             if work is not None:
                 work.wait()
-        self._grads.stepped = True  # an optimizer step's last act: it used the gradients
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Clear the gradients (the reduced ones included) before the next backward.
