@@ -8,5 +8,5 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 python -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 'no CUDA GPU found')"
-python -m pytest -q -m cuda tests/test_cuda.py
+python -m pytest -q -m cuda  # tests/test_cuda.py and the CUDA cases of tests/test_autocast.py
 torchrun --standalone --nproc_per_node=1 benchmarks/gpu_throughput.py "$@"

@@ -4,7 +4,7 @@ Parity recipe of ``tests/parity.py`` on ``cuda:0``: a plain GPT-2 with ``torch.o
 the reference; each strategy trains a copy for a few steps and its losses and final parameters
 must match. FSDP and ZeRO-3 must issue their collectives through side streams ([Note:
 communication streams]); the optimizers' update rule runs as multi-tensor kernels.
-``benchmarks/gpu.sh`` runs this file, then the throughput check.
+``benchmarks/gpu.sh`` runs every test marked ``cuda``, then the throughput check.
 """
 
 import copy

@@ -19,9 +19,20 @@ parameters only for the duration of one callback, so a strategy that frees them 
 defeated by a stray reference. ``ctx.param_needs_grad`` says which parameter gradients are wanted
 (frozen parameters and absent biases get ``None``). The layer math lives only in the callbacks;
 strategies only provide the handler (see [Note: param handler]).
+
+[Note: autocast]
+Under ``torch.autocast`` a wrapper computes as the ``torch.nn`` layer does: its forward callback
+calls the same ops, which autocast casts alike. The backward callback runs with the autocast
+state the forward had (what ``torch.amp.custom_bwd`` does for any custom Function), so a matmul
+of a bf16 ``grad_output`` with an fp32 weight computes in bf16 as the forward did, wherever
+``backward()`` is called. A parameter gradient is then cast to the dtype of the full parameter,
+as autograd's cast node does for a plain layer (an input gradient autograd casts itself). An op
+autocast does not list (``aten.convolution_backward``) gets its operands in ``grad_output``'s
+dtype from the layer; a layer saves an input in the dtype its op really computed in.
 """
 
-from typing import Any, Optional, Tuple
+import contextlib
+from typing import Any, ContextManager, Optional, Sequence, Tuple
 
 import torch
 from torch import nn
@@ -39,6 +50,7 @@ class CallbackFunction(torch.autograd.Function):
         handler = module.param_handler
         ctx.module = module
         ctx.param_needs_grad = tuple(p is not None and p.requires_grad for p in local_params)
+        ctx.autocast = _autocast_state(args)
         ctx.params = handler.fetch(module, TrainingPhase.FORWARD)
         rec = _trace.ACTIVE  # a traced step records the layer math alone ([Note: trace hooks])
         span = None if rec is None else rec.begin_layer(module, "forward")
@@ -59,7 +71,9 @@ class CallbackFunction(torch.autograd.Function):
         rec = _trace.ACTIVE
         span = None if rec is None else rec.begin_layer(module, "backward")
         try:
-            grad_inputs, grad_params = module.backward_callback(ctx, grad_output)
+            with _autocast_as_in_forward(ctx.autocast):
+                grad_inputs, grad_params = module.backward_callback(ctx, grad_output)
+            grad_params = tuple(map(_in_dtype_of, grad_params, ctx.params))
         finally:
             if span is not None:
                 rec.end(span)
@@ -67,6 +81,40 @@ class CallbackFunction(torch.autograd.Function):
             handler.release(module, TrainingPhase.BACKWARD)
         local_grads = handler.reduce_grads(module, tuple(grad_params))
         return (None, None, *grad_inputs, *local_grads)
+
+
+AutocastState = Optional[Tuple[str, bool, torch.dtype]]  # (device type, enabled, dtype)
+
+
+def _autocast_state(args: Sequence[Any]) -> AutocastState:
+    """The autocast state for the device of the first tensor in ``args`` ([Note: autocast]);
+    None for a device autocast does not know (``meta``)."""
+    device_type = next((a.device.type for a in args if isinstance(a, torch.Tensor)), "cpu")
+    if not torch.amp.is_autocast_available(device_type):
+        return None
+    return _autocast_state_of(device_type)
+
+
+def _autocast_as_in_forward(state: AutocastState) -> ContextManager:
+    """Autocast as ``state`` says, if the current state differs from it ([Note: autocast])."""
+    if state is None or _autocast_state_of(state[0]) == state:
+        return contextlib.nullcontext()
+    device_type, enabled, dtype = state
+    return torch.autocast(device_type, dtype=dtype, enabled=enabled)
+
+
+def _autocast_state_of(device_type: str) -> AutocastState:
+    enabled = torch.is_autocast_enabled(device_type)
+    return device_type, enabled, torch.get_autocast_dtype(device_type)
+
+
+def _in_dtype_of(
+    grad: Optional[torch.Tensor], param: Optional[torch.Tensor]
+) -> Optional[torch.Tensor]:
+    """``grad`` in the dtype of the full parameter it is the gradient of."""
+    if grad is None or param is None or grad.dtype == param.dtype:
+        return grad
+    return grad.to(param.dtype)
 
 
 class CallbackModule(nn.Module):

@@ -68,16 +68,18 @@ class _ConvCallback(CallbackModule):
             xb = F.pad(xb, extra)
         ctx.save_for_backward(xb)
         ctx.batched, ctx.extra, ctx.padding = batched, extra, padding
-        out = torch.ops.aten.convolution(
-            xb, weight, bias, self.stride, padding, self.dilation, False, [0] * n, self.groups
-        )  # (batch, out, *spatial_out)
-        return out if batched else out.squeeze(0)
+        conv = (F.conv1d, F.conv2d)[n - 1]  # torch.nn's op, which autocast casts alike
+        out = conv(xb, weight, bias, self.stride, padding, self.dilation, self.groups)
+        return out if batched else out.squeeze(0)  # (batch, out, *spatial_out)
 
     def backward_callback(self, ctx: Any, grad_output: torch.Tensor) -> Any:
         (xb,) = ctx.saved_tensors
         weight, bias = ctx.params
         n = len(self.kernel_size)
         grad_out = grad_output if ctx.batched else grad_output.unsqueeze(0)
+        # The dtype the forward computed in ([Note: autocast]): autocast lists conv, not its
+        # backward.
+        xb, weight = xb.to(grad_out.dtype), weight.to(grad_out.dtype)
         mask = [ctx.needs_input_grad[2], *ctx.param_needs_grad]
         grad_x, grad_weight, grad_bias = torch.ops.aten.convolution_backward(
             grad_out,

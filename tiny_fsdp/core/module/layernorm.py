@@ -25,7 +25,8 @@ class LayerNorm(CallbackModule, nn.LayerNorm):
         out, mean, rstd = torch.ops.aten.native_layer_norm(
             x, list(self.normalized_shape), weight, bias, self.eps
         )
-        ctx.save_for_backward(x, mean, rstd)
+        # x in the dtype the kernel computed in: on CUDA autocast runs layer norm in fp32.
+        ctx.save_for_backward(x.to(out.dtype), mean, rstd)
         return out
 
     def backward_callback(self, ctx: Any, grad_output: torch.Tensor) -> Any:
