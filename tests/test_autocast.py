@@ -199,3 +199,90 @@ def _strategies_worker(rank: int, world_size: int) -> List[str]:
 def test_every_strategy_trains_as_torch_ddp_under_autocast() -> None:
     results = run_distributed(_strategies_worker, 2, timeout=300.0)
     assert len(results[0]) == len(_models()) * 2 * len(STRATEGIES)
+
+
+# ---------------------------------------------------------------------------- loss scaling
+
+# torch's loss scaler for each strategy: a rank of FSDP / ZeRO-3 holds only its shards of the
+# gradients, so their inf check must be agreed on by all ranks, as with PyTorch's FSDP.
+SCALERS = {"ddp": "GradScaler", "zero1": "GradScaler", "zero3": "Sharded", "fsdp": "Sharded"}
+OVERFLOW_STEP, INIT_SCALE = 1, 2.0**10
+
+
+def _scaler(kind: str) -> torch.amp.GradScaler:
+    if kind == "Sharded":
+        from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+
+        return ShardedGradScaler("cpu", init_scale=INIT_SCALE)
+    return torch.amp.GradScaler("cpu", init_scale=INIT_SCALE)
+
+
+def _scaled_lm() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(
+        nn.Embedding(VOCAB, 16), nn.Linear(16, 32), nn.GELU(), nn.Linear(32, VOCAB)
+    )
+
+
+def _train_scaled(model, optimizer, scaler, rank, world_size) -> List[Tuple[float, float]]:
+    """fp16 autocast with loss scaling; at OVERFLOW_STEP rank 0's gradient of its first token's
+    embedding becomes inf: one row of the embedding's gradient (the last, so under FSDP one
+    shard, under ZeRO-3 one owner) overflows, and every rank must skip that step and halve its
+    scale. Returns (loss, scale after the step) per step."""
+    embedding = next(m for m in model.modules() if isinstance(m, nn.Embedding))
+    overflow = [False]
+
+    def poison(grad: torch.Tensor) -> torch.Tensor:
+        grad = grad.clone()
+        grad[0, 0] = float("inf")
+        return grad
+
+    def hook(module, args, out) -> None:
+        if overflow[0] and rank == 0:
+            out.register_hook(poison)
+
+    embedding.register_forward_hook(hook)
+    trace = []
+    for step in range(4):
+        overflow[0] = step == OVERFLOW_STEP
+        x, y = global_batch(step, ROWS * world_size, SEQ, VOCAB)
+        x, y = local_slice(x, rank, world_size), local_slice(y, rank, world_size)
+        if overflow[0] and rank == 0:
+            x = x.clone()
+            x[0, 0] = VOCAB - 1
+        with torch.autocast("cpu", dtype=torch.float16):
+            logits = model(x).float()
+        loss = F.cross_entropy(logits.reshape(-1, VOCAB), y.reshape(-1))
+        scaler.scale(loss).backward()
+        scaler.step(optimizer)
+        scaler.update()
+        optimizer.zero_grad()
+        trace.append((loss.item(), scaler.get_scale()))
+    return trace
+
+
+def _scaling_worker(rank: int, world_size: int) -> None:
+    ddp = nn.parallel.DistributedDataParallel(_scaled_lm())
+    optimizer = torch.optim.AdamW(ddp.parameters(), **HYPER)
+    want = _train_scaled(ddp, optimizer, _scaler("GradScaler"), rank, world_size)
+    want_state = ddp.module.state_dict()
+    assert want[OVERFLOW_STEP][1] == INIT_SCALE / 2  # the step overflowed and was skipped
+    for strategy, kind in SCALERS.items():
+        model, optimizer = build(strategy, _scaled_lm(), adamw(**HYPER))
+        got = _train_scaled(model, optimizer, _scaler(kind), rank, world_size)
+        # The same fp16 ops; the fp32 gradient average is summed in another order.
+        for step, ((loss, scale), (want_loss, want_scale)) in enumerate(zip(got, want)):
+            assert scale == want_scale, f"{strategy} step {step}: scale {scale}, not {want_scale}"
+            assert abs(loss - want_loss) <= LOSS_ATOL, f"{strategy} step {step}"
+        state = model.state_dict()
+        gap = max((state[k] - v).abs().max().item() for k, v in want_state.items())
+        assert gap <= PARAM_ATOL, f"{strategy}: parameters differ by {gap:.2e}"
+    model, optimizer = build("zero2", _scaled_lm(), adamw(**HYPER))
+    with pytest.raises(TypeError, match="ZeRO-2 keeps its reduced gradients in shards"):
+        _train_scaled(model, optimizer, _scaler("Sharded"), rank, world_size)
+
+
+def test_loss_scaling_skips_an_overflowing_step_on_every_rank() -> None:
+    """Each strategy with its loss scaler (ZeRO-2: a clear error) follows torch's DDP +
+    GradScaler through a step where only one shard's gradient overflows."""
+    run_distributed(_scaling_worker, 2, timeout=300.0)

@@ -138,9 +138,21 @@ class _ZeroOptimizer:
             if op.piece.index not in skipped:
                 yield op.master, op.grad, self.state[op.master]
 
+    @property
+    def _step_supports_amp_scaling(self) -> bool:
+        """ZeRO-2: torch's GradScaler then hands its step to ``step``, which refuses it."""
+        return self.wrapper_cls is Zero2
+
     @torch.no_grad()
     def step(self, closure: Optional[Callable[[], Any]] = None) -> Any:
         """Update the owned pieces, write them back and all-gather the parameters."""
+        if getattr(self, "found_inf", None) is not None:  # set by torch's GradScaler.step
+            raise TypeError(
+                f"{type(self).__name__}: ZeRO-2 keeps its reduced gradients in shards, never in "
+                ".grad, so a GradScaler can neither unscale nor check them. For fp16 with loss "
+                "scaling use Zero1 or DDP (torch.amp.GradScaler), or FSDP / Zero3 (torch's "
+                "ShardedGradScaler); bf16 needs no loss scaling."
+            )
         loss = super().step(closure)  # type: ignore[misc]
         if self._wrapper.grads_reduced:  # the same on every rank: collectives stay paired
             self._wrapper.mark_stepped()
