@@ -203,9 +203,16 @@ def test_every_strategy_trains_as_torch_ddp_under_autocast() -> None:
 
 # ---------------------------------------------------------------------------- loss scaling
 
-# torch's loss scaler for each strategy: a rank of FSDP / ZeRO-3 holds only its shards of the
-# gradients, so their inf check must be agreed on by all ranks, as with PyTorch's FSDP.
-SCALERS = {"ddp": "GradScaler", "zero1": "GradScaler", "zero3": "Sharded", "fsdp": "Sharded"}
+# torch.amp.GradScaler with every strategy but ZeRO-2, as with torch's DDP ([Note: agreeing on
+# overflow]); FSDP and ZeRO-3 also with the ShardedGradScaler that PyTorch's FSDP asks for.
+SCALERS = [
+    ("ddp", "GradScaler"),
+    ("zero1", "GradScaler"),
+    ("zero3", "GradScaler"),
+    ("fsdp", "GradScaler"),
+    ("zero3", "Sharded"),
+    ("fsdp", "Sharded"),
+]
 OVERFLOW_STEP, INIT_SCALE = 1, 2.0**10
 
 
@@ -267,22 +274,23 @@ def _scaling_worker(rank: int, world_size: int) -> None:
     want = _train_scaled(ddp, optimizer, _scaler("GradScaler"), rank, world_size)
     want_state = ddp.module.state_dict()
     assert want[OVERFLOW_STEP][1] == INIT_SCALE / 2  # the step overflowed and was skipped
-    for strategy, kind in SCALERS.items():
+    for strategy, kind in SCALERS:
         model, optimizer = build(strategy, _scaled_lm(), adamw(**HYPER))
         got = _train_scaled(model, optimizer, _scaler(kind), rank, world_size)
         # The same fp16 ops; the fp32 gradient average is summed in another order.
         for step, ((loss, scale), (want_loss, want_scale)) in enumerate(zip(got, want)):
-            assert scale == want_scale, f"{strategy} step {step}: scale {scale}, not {want_scale}"
-            assert abs(loss - want_loss) <= LOSS_ATOL, f"{strategy} step {step}"
+            what = f"{strategy} with {kind} step {step}"
+            assert scale == want_scale, f"{what}: scale {scale}, not {want_scale}"
+            assert abs(loss - want_loss) <= LOSS_ATOL, what
         state = model.state_dict()
         gap = max((state[k] - v).abs().max().item() for k, v in want_state.items())
-        assert gap <= PARAM_ATOL, f"{strategy}: parameters differ by {gap:.2e}"
+        assert gap <= PARAM_ATOL, f"{strategy} with {kind}: parameters differ by {gap:.2e}"
     model, optimizer = build("zero2", _scaled_lm(), adamw(**HYPER))
     with pytest.raises(TypeError, match="ZeRO-2 keeps its reduced gradients in shards"):
         _train_scaled(model, optimizer, _scaler("Sharded"), rank, world_size)
 
 
 def test_loss_scaling_skips_an_overflowing_step_on_every_rank() -> None:
-    """Each strategy with its loss scaler (ZeRO-2: a clear error) follows torch's DDP +
+    """Each strategy with a loss scaler (ZeRO-2: a clear error) follows torch's DDP +
     GradScaler through a step where only one shard's gradient overflows."""
     run_distributed(_scaling_worker, 2, timeout=300.0)

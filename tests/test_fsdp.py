@@ -435,7 +435,7 @@ def _communication_unit(rank: int, world_size: int) -> Dict[str, int]:
             comm.LEDGER.calls["all_gather"] - counts[f"{unit}-forward-gathers"]
         )
         counts[f"{unit}-reduce-scatters"] = comm.LEDGER.calls["reduce_scatter"]
-        assert not comm.LEDGER.calls["all_reduce"]
+        assert comm.LEDGER.calls["all_reduce"] == 1  # [Note: agreeing on overflow]'s flag only
     return counts
 
 

@@ -10,6 +10,7 @@ ranks). The two-node torchrun run is in ``tests/test_examples.py``.
 
 import copy
 import os
+from collections import Counter
 from typing import Dict, List, Tuple
 
 import pytest
@@ -31,6 +32,7 @@ from tests.parity import (
 from tiny_fsdp.checkpoint import full_checkpoint_file, load_checkpoint, save_checkpoint
 from tiny_fsdp.core import comm
 from tiny_fsdp.core.fsdp import FSDP, FSDPSGD, FSDPAdamW, hsdp_mesh, shard_info
+from tiny_fsdp.core.overflow import OVERFLOW_FLAG_DTYPE
 from tiny_fsdp.core.precision import MixedPrecisionPolicy
 from tiny_fsdp.core.reductions import PendingReductions
 from tiny_fsdp.models.gpt2 import GPT2Model, GPTConfig
@@ -372,9 +374,15 @@ def _ledger(rank: int, world_size: int) -> List[Tuple]:
         if replicas > 1:
             expected_bytes["replicate", "all_reduce"] = padded // shard
             expected_calls["replicate", "all_reduce"] = 6
+        if shard > 1:  # one flag: [Note: agreeing on overflow]
+            expected_bytes["shard", "all_reduce"] = OVERFLOW_FLAG_DTYPE.itemsize
+            expected_calls["shard", "all_reduce"] = 1
         assert got == (expected_bytes, expected_calls), (replicas, shard, got)
         # Nothing else travelled: the totals are the labelled collectives.
-        assert ledger_total == {kind: n for (_, kind), n in expected_bytes.items()}
+        totals = Counter()
+        for (_, kind), n in expected_bytes.items():
+            totals[kind] += n
+        assert ledger_total == dict(totals)
         traffic = comm.LEDGER.group_traffic_bytes("replicate", replicas)
         assert traffic.get("all_reduce", 0.0) == 2 * (replicas - 1) / replicas * (padded // shard)
     _planned_bytes(rank, world_size)

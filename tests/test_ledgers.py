@@ -32,6 +32,7 @@ from tiny_fsdp.core.memory import MemoryReport, allocated_bytes, memory_ledger, 
 from tiny_fsdp.core.module import CallbackModule, convert_module
 from tiny_fsdp.core.zero.grad_stores import FLAG_DTYPE
 from tiny_fsdp.core.optim import AdamW
+from tiny_fsdp.core.overflow import OVERFLOW_FLAG_DTYPE
 from tiny_fsdp.core.zero3 import zero3_partition_tensors
 from tiny_fsdp.estimate import estimate_memory, estimate_model
 
@@ -149,6 +150,11 @@ def _rows(shape: torch.Size) -> Tuple[int, int]:
     return (shape[0], math.prod(shape[1:])) if len(shape) else (1, 1)
 
 
+# FSDP and ZeRO-3 end each synchronised backward with a 1-element all-reduce ([Note: agreeing on
+# overflow]).
+OVERFLOW_FLAG = (1, OVERFLOW_FLAG_DTYPE.itemsize)
+
+
 def _padded(numel: int, n: int) -> int:
     return -(-numel // n) * n
 
@@ -195,6 +201,7 @@ def expected_traffic(variant: str, n: int, backend: str = "gloo") -> Dict[str, T
         return {
             "broadcast": (2 * uses - kept, 2 * used_bytes - kept_bytes),
             "reduce": (uses, used_bytes),
+            "all_reduce": OVERFLOW_FLAG,
         }
     if name == "fsdp":
         gathers = [FP32 * _fsdp_gather(layer, n) for layer in layers]
@@ -204,6 +211,7 @@ def expected_traffic(variant: str, n: int, backend: str = "gloo") -> Dict[str, T
         return {
             "all_gather": (len(gathers) + len(backward), sum(gathers) + sum(backward)),
             "reduce_scatter": (len(gathers), sum(gathers)),
+            "all_reduce": OVERFLOW_FLAG,
         }
     raise ValueError(variant)
 

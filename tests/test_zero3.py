@@ -224,9 +224,11 @@ def _memory(rank: int, world_size: int) -> None:
             # Gradients exist on owners only, full size: this rank's share of the table.
             assert _local_bytes(p.grad for p in params if p.grad is not None) == trainable
             # Each use of a tensor (the tied one twice) is broadcast in forward and in backward
-            # and its gradient reduced once; nothing at all on one rank.
+            # and its gradient reduced once, then one flag all-reduced ([Note: agreeing on
+            # overflow]); nothing at all on one rank.
             broadcasts = n_broadcasts - (kept if step else 0)
-            n_calls = {"broadcast": broadcasts, "reduce": n_reduces} if world_size > 1 else {}
+            n_calls = {"broadcast": broadcasts, "reduce": n_reduces, "all_reduce": 1}
+            n_calls = n_calls if world_size > 1 else {}
             assert dict(comm.LEDGER.calls) == n_calls, (evenness, frozen, step)
             # One layer at a time is fetched, then freed for real (no reference survives).
             assert model.fetch_stats.peak_bytes == max(remote)

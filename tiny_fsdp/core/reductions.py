@@ -20,7 +20,8 @@ Accumulation across backwards, ``no_sync`` (nothing is launched: the strategies 
 clipping after ``backward()``, tied and frozen parameters (no part) keep their meaning. Two
 differences from autograd's accumulation: ``register_post_accumulate_grad_hook`` hooks of these
 parameters do not fire, and ``torch.autograd.grad(..., inputs=params)`` returns None for them
-(their gradients still go to ``.grad``).
+(their gradients still go to ``.grad``). Last, ``on_delivered`` (the strategy's) gets the
+gradients: the ranks agree on overflow ([Note: agreeing on overflow]).
 
 Memory bound. A reduction holds its *input* (the padded full gradients it reduces) until it is
 retired, and its *output* (this rank's part) until ``finalize`` delivers it. At most
@@ -105,6 +106,10 @@ class PendingReductions:
         self._in_flight: Deque[_Reduction] = deque()  # launched, not retired
         self._finalize_queued = False
         self._at_end: List[Callable[[], None]] = []  # run by finalize before it waits
+        # Called by finalize with the gradients it delivered into and their device: the
+        # strategy's agreement on overflow ([Note: agreeing on overflow]); None: nothing.
+        self.on_delivered: Optional[Callable[[List[torch.Tensor], torch.device], None]] = None
+        self._device: Optional[torch.device] = None  # of this backward's reductions
 
     def at_end_of_backward(self, callback: Callable[[], None]) -> None:
         """Run ``callback`` (once) when this backward ends, before ``finalize`` delivers; it may
@@ -135,6 +140,7 @@ class PendingReductions:
         if then is not None and (self.streams.uses_streams or not async_op):
             launch, then = _in_sequence(launch, then), None  # stream order / synchronous
         self._queue_finalize()
+        self._device = inputs[0].device
         while len(self._in_flight) >= self.in_flight_limit:
             self._retire(self._in_flight.popleft())
         outputs = _storages([t for _, t in parts])
@@ -165,6 +171,7 @@ class PendingReductions:
         for callback in at_end:
             callback()
         reductions, self._all = self._all, []
+        launched = bool(reductions)  # the same on every rank: a synchronised backward
         self._finalize_queued = False
         while self._in_flight:
             self._retire(self._in_flight.popleft())
@@ -184,6 +191,8 @@ class PendingReductions:
                 param.grad = total.detach()
             else:
                 param.grad += total
+        if launched and self.on_delivered is not None:
+            self.on_delivered([param.grad for param, _ in sums.values()], self._device)
 
     def abandon(self) -> None:
         """Drop (after waiting for them) the reductions of a backward that never finalized."""

@@ -4,13 +4,16 @@ Both strategies' per-model state (``FSDPState``, ``Zero3Runtime``) is a ``UnitSt
 model's ``Prefetcher`` ([Note: prefetch]) plus what every unit and ``UnitGradients`` read
 ([Note: unit reduction]): world size and rank, the gradient-sync switch, the mixed precision
 policy's dtypes, the communication streams ([Note: communication streams]), the pending
-reductions ([Note: asynchronous reduction]) and the bytes of ``no_sync`` sums.
+reductions ([Note: asynchronous reduction]) with the agreement on overflow that ends them
+([Note: agreeing on overflow]) and the bytes of ``no_sync`` sums.
 """
 
 from typing import List, Optional
 
 import torch
+import torch.distributed as dist
 
+from tiny_fsdp.core.overflow import agree_on_overflow
 from tiny_fsdp.core.precision import MixedPrecisionPolicy
 from tiny_fsdp.core.prefetch import Prefetcher
 from tiny_fsdp.core.reductions import PendingReductions
@@ -35,12 +38,29 @@ class UnitState(Prefetcher):
         self.unit_grads: List = []  # every unit's UnitGradients, in the order of ``units``
         self.streams = CommStreams()  # replaced by ``use_streams`` once the device is known
         self.reductions = PendingReductions(self.streams)
+        self.reductions.on_delivered = self.agree_on_overflow
         self.accumulated_bytes = 0  # of gradient sums kept across no_sync backwards
 
     @property
     def grad_divisor(self) -> int:
         """Ranks a gradient is averaged over (HSDP: more than ``world_size``)."""
         return self.world_size
+
+    @property
+    def shard_group(self) -> Optional[dist.ProcessGroup]:
+        """The ranks this model's gradient shards are spread over (None: the default group)."""
+        return None
+
+    @property
+    def shard_label(self) -> Optional[str]:
+        """Ledger label of the shard group's collectives ([Note: communication ledger])."""
+        return None
+
+    def agree_on_overflow(self, grads: List[torch.Tensor], device: torch.device) -> None:
+        """After a synchronised backward: a gradient that is not finite on one rank makes every
+        rank's gradients non-finite ([Note: agreeing on overflow])."""
+        if self.world_size > 1:
+            agree_on_overflow(grads, device, self.shard_group, self.shard_label)
 
     def use_streams(self, streams: CommStreams) -> None:
         """Issue unshards and reductions through ``streams``."""

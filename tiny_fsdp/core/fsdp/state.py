@@ -13,6 +13,7 @@ sharding]).
 from typing import Any, Optional, Sequence
 
 import torch
+import torch.distributed as dist
 
 from tiny_fsdp.core import comm
 from tiny_fsdp.core.fsdp.mesh import MeshGroups
@@ -42,6 +43,15 @@ class FSDPState(UnitState):
         # Bytes of gathered full parameters alive now / at most since the last reset.
         self.gathered_bytes = 0
         self.peak_gathered_bytes = 0
+
+    @property
+    def shard_group(self) -> Optional[dist.ProcessGroup]:
+        """The shard group: the replicas of HSDP hold the same shards ([Note: hybrid sharding])."""
+        return self.groups.shard_group
+
+    @property
+    def shard_label(self) -> Optional[str]:
+        return self.groups.shard_label
 
     @property
     def grad_divisor(self) -> int:

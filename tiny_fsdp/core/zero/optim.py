@@ -150,8 +150,8 @@ class _ZeroOptimizer:
             raise TypeError(
                 f"{type(self).__name__}: ZeRO-2 keeps its reduced gradients in shards, never in "
                 ".grad, so a GradScaler can neither unscale nor check them. For fp16 with loss "
-                "scaling use Zero1 or DDP (torch.amp.GradScaler), or FSDP / Zero3 (torch's "
-                "ShardedGradScaler); bf16 needs no loss scaling."
+                "scaling use Zero1, DDP, FSDP or Zero3 (with torch.amp.GradScaler); bf16 needs "
+                "no loss scaling."
             )
         loss = super().step(closure)  # type: ignore[misc]
         if self._wrapper.grads_reduced:  # the same on every rank: collectives stay paired
