@@ -43,4 +43,5 @@ def agree_on_overflow(
     comm.all_reduce(overflow, op=dist.ReduceOp.MAX, group=group, label=label)
     if grads:
         nan_if_overflow = torch.where(overflow[0] > 0, float("nan"), 0.0)  # 0-dim
-        torch._foreach_add_([g.view(-1)[:1] for g in grads], nan_if_overflow)
+        firsts = [g[(0,) * g.dim()] for g in grads]  # 0-dim views, contiguous or not
+        torch._foreach_add_(firsts, nan_if_overflow)
