@@ -5,7 +5,8 @@ per-rank batches: losses every step, every parameter and buffer at the end. Mode
 (own transposed linear and RMSNorm, rotary buffers, raw and 0-d parameters, BatchNorm, a module
 called twice, a tied head read by the parent, a dataclass output), a model whose parent reads a
 child's 0-d parameter (and torch's ``nn.MultiheadAttention``, which reads two of its child's
-parameters in one op), and tiny GPT-2 / Llama / BERT from ``transformers`` (if installed).
+parameters in one op), a student with a frozen teacher run under no_grad (after every backward
+no unit may stay full), and tiny GPT-2 / Llama / BERT from ``transformers`` (if installed).
 Cases are combined into few distributed calls to keep CI time small.
 """
 
@@ -78,6 +79,31 @@ class ReaderLM(nn.Module):
         return ReaderOutput(logits=F.linear(h, self.wte.weight))
 
 
+class DistillLM(nn.Module):
+    """A student and a frozen teacher (two lists of blocks), the teacher run under no_grad, and
+    a frozen embedding: layers that never run backward, in the root unit and in block units."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.wte = nn.Embedding(VOCAB, WIDTH)
+        self.wte.weight.requires_grad_(False)
+        block = lambda: nn.Sequential(nn.Linear(WIDTH, WIDTH), nn.GELU())  # noqa: E731
+        self.student = nn.ModuleList([block(), block()])
+        self.teacher = nn.ModuleList([block(), block()]).requires_grad_(False)
+        self.head = nn.Linear(WIDTH, VOCAB)
+
+    def forward(self, idx: torch.Tensor) -> ReaderOutput:
+        h = self.wte(idx)
+        with torch.no_grad():
+            t = h
+            for block in self.teacher:
+                t = t + block(t)
+        s = h
+        for block in self.student:
+            s = s + block(s)
+        return ReaderOutput(logits=self.head(s + t))
+
+
 def _zoo_loss(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     return zoo_loss(model(x), y)
 
@@ -87,6 +113,7 @@ def _models(names: List[str]) -> Dict[str, Tuple[Build, Loss, Callable[[nn.Modul
     out = {
         "zoo": (_zoo, _zoo_loss, lambda m: [m.shared, m.bn]),
         "reader": (ReaderLM, _zoo_loss, lambda m: [m.holder]),
+        "distill": (DistillLM, _zoo_loss, lambda m: [*m.student, *m.teacher]),
     }
     if any(n in ("gpt2", "llama", "bert") for n in names):
         blocks = {
@@ -170,6 +197,14 @@ def _parity_worker(rank: int, world_size: int, names: List[str]) -> List[Tuple[s
                 kwargs = {"unit": blocks(model)} if strategy == "fsdp-block" else {}
                 wrapped, optimizer = _wrap(strategy, model, world_size, async_comm, **kwargs)
                 losses = _train(wrapped, optimizer, loss_fn, rank, world_size)
+                # Every unit was resharded by the end of each backward, also those holding
+                # layers that never ran backward (frozen, or run under no_grad).
+                held = (
+                    wrapped.fetch_stats.live_bytes
+                    if strategy == "zero3"
+                    else wrapped.memory_stats()["gathered_bytes"]
+                )
+                assert held == 0, f"{what}: {held} bytes of full parameters still held"
                 gap = _compare(what, losses, wrapped.state_dict(), ref_losses, ref_state)
                 seen.append((what, gap))
     return seen
@@ -177,8 +212,8 @@ def _parity_worker(rank: int, world_size: int, names: List[str]) -> List[Tuple[s
 
 @pytest.mark.parametrize("world_size", [2, 3])
 def test_models_as_written_train_like_torch_ddp(world_size):
-    results = run_distributed(_parity_worker, world_size, ["zoo", "reader"])
-    assert len(results[0]) == 2 * 3 * 2  # models x strategies x async, checked on every rank
+    results = run_distributed(_parity_worker, world_size, ["zoo", "reader", "distill"])
+    assert len(results[0]) == 3 * 3 * 2  # models x strategies x async, checked on every rank
 
 
 @pytest.mark.parametrize("world_size", [2, 3])

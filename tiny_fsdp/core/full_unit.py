@@ -9,7 +9,9 @@ current phase and none is computing. Per phase, so that the forward fetches of a
 inside the backward (gradient checkpointing) do not count as the backward's; a recomputation
 nested in a layer's backward finds the unit full and holds it too (``_holders`` counts both).
 A unit the state keeps after forward (the first one of the backward, [Note: prefetch]) is not
-resharded by forward releases.
+resharded by forward releases. A unit some of whose layers never run backward (frozen layers fed
+no gradient, a part run under no_grad) is resharded at the end of the backward
+(``UnitState.end_of_backward``).
 
 Subclasses make the parameters full (``unshard`` / ``wait_for_unshard``, then ``set_full``) and
 say what a reshard frees (``on_reshard``).

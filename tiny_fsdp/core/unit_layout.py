@@ -3,9 +3,10 @@
 FSDP's gather units ([Note: gather units]) and ZeRO-3's broadcast units ([Note: zero3 tensor
 life cycle]) are laid out by the same rule, ``unit_layers``:
 
-- ``"auto"`` (the default of both): the children of the model's largest ``nn.ModuleList`` of
-  same-type modules (a transformer's blocks; "largest" by parameter elements) are units, the
-  other layers one more unit, the root; a model without such a list gets one unit per layer.
+- ``"auto"`` (the default of both): the children of every block list (an ``nn.ModuleList`` or
+  ``nn.Sequential`` of same-type modules: a transformer's blocks, every tower's of a model with
+  several; ``repeated_blocks``) are units, the other layers one more unit, the root; a model
+  without a block list gets one unit per layer.
 - ``"layer"`` and ``"tensor"``: one unit per layer (``"tensor"`` also issues one collective
   per tensor instead of one per group of tensors; the strategies read that themselves).
 - a list of modules: all layers inside one listed module form a unit; the layers outside every
@@ -66,18 +67,31 @@ def unit_layers(
 def repeated_blocks(
     root: nn.Module, numel: Callable[[torch.Tensor], int] = torch.numel
 ) -> Optional[List[nn.Module]]:
-    """The children of the ``nn.ModuleList`` of >= 2 same-type modules holding the most
-    parameter elements (a transformer's blocks), or None if the model has no such list."""
-    best, best_numel = None, 0
-    for module in root.modules():
-        if not isinstance(module, nn.ModuleList) or len(module) < 2:
-            continue
-        if len({type(child) for child in module}) != 1:
-            continue
-        total = sum(numel(p) for p in module.parameters())
-        if total > best_numel:
-            best, best_numel = list(module), total
-    return best
+    """The children of every block list of ``root``, in module order, or None if it has none.
+
+    A block list is an ``nn.ModuleList`` or ``nn.Sequential`` of >= 2 modules of one type that
+    hold parameters: a transformer's blocks, each tower's of a model with several (an encoder
+    and a decoder, a student and a frozen teacher). The outermost lists count: a list inside a
+    block belongs to that block."""
+    blocks: List[nn.Module] = []
+
+    def visit(module: nn.Module) -> None:
+        if _is_block_list(module, numel):
+            blocks.extend(module.children())
+            return
+        for child in module.children():
+            visit(child)
+
+    visit(root)
+    return blocks or None
+
+
+def _is_block_list(module: nn.Module, numel: Callable[[torch.Tensor], int]) -> bool:
+    if not isinstance(module, (nn.ModuleList, nn.Sequential)) or len(module) < 2:
+        return False
+    if len({type(child) for child in module.children()}) != 1:
+        return False
+    return sum(numel(p) for p in module.parameters()) > 0
 
 
 def unit_params(layers: Sequence[nn.Module]) -> List[nn.Parameter]:

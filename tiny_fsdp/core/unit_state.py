@@ -62,6 +62,12 @@ class UnitState(Prefetcher):
         if self.world_size > 1:
             agree_on_overflow(grads, device, self.shard_group, self.shard_label)
 
+    def end_of_backward(self) -> None:
+        """Reshard every unit the backward left full: a unit holding layers that never ran
+        backward (frozen ones fed no gradient, a frozen teacher run under no_grad) would stay
+        full until the next forward ([Note: full units])."""
+        self.drop_transients()
+
     def use_streams(self, streams: CommStreams) -> None:
         """Issue unshards and reductions through ``streams``."""
         self.streams = streams

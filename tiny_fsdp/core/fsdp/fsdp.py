@@ -60,7 +60,8 @@ class FSDP(FetchingWrapper):
         device: where to materialise ``meta`` tensors (default: the current CUDA device with
             NCCL, else CPU) and where shards live (default: each parameter's device).
         unit: what is all-gathered together: ``"auto"`` (default: the model's repeated blocks,
-            found in its largest ``nn.ModuleList``, else per layer), ``"layer"``, ``"tensor"``,
+            the children of its ``nn.ModuleList`` / ``nn.Sequential`` of same-type modules, else
+            per layer; ``unit_layout.py``), ``"layer"``, ``"tensor"``,
             or a list of modules (e.g. the transformer blocks; the other layers form a root
             unit). Gradients are reduce-scattered once per unit (per tensor with ``"tensor"``).
             [Note: gather units]
