@@ -13,9 +13,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from example.model import GPTConfigs
 from tests.build import adamw, build
 from tests.harness import run_distributed
-from example.model import GPTConfigs
 from tests.parity import LOSS_ATOL, PARAM_ATOL, global_batch, local_slice, make_model
 from tiny_fsdp.core.module import CallbackModule, convert_module
 
