@@ -11,7 +11,7 @@ nested in a layer's backward finds the unit full and holds it too (``_holders`` 
 A unit the state keeps after forward (the first one of the backward, [Note: prefetch]) is not
 resharded by forward releases. A unit some of whose layers never run backward (frozen layers fed
 no gradient, a part run under no_grad) is resharded at the end of the backward
-(``UnitState.end_of_backward``).
+(``UnitState.backward_finished``).
 
 Subclasses make the parameters full (``unshard`` / ``wait_for_unshard``, then ``set_full``) and
 say what a reshard frees (``on_reshard``).

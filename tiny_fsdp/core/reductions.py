@@ -20,8 +20,9 @@ Accumulation across backwards, ``no_sync`` (nothing is launched: the strategies 
 clipping after ``backward()``, tied and frozen parameters (no part) keep their meaning. Two
 differences from autograd's accumulation: ``register_post_accumulate_grad_hook`` hooks of these
 parameters do not fire, and ``torch.autograd.grad(..., inputs=params)`` returns None for them
-(their gradients still go to ``.grad``). Last, ``on_delivered`` (the strategy's) gets the
-gradients: the ranks agree on overflow ([Note: agreeing on overflow]).
+(their gradients still go to ``.grad``). Last, ``on_finalized`` (the strategy's) gets the
+delivered gradients: it reshards what the backward left full and the ranks agree on overflow
+([Note: agreeing on overflow]).
 
 Memory bound. A reduction holds its *input* (the padded full gradients it reduces) until it is
 retired, and its *output* (this rank's part) until ``finalize`` delivers it. At most
@@ -106,10 +107,12 @@ class PendingReductions:
         self._in_flight: Deque[_Reduction] = deque()  # launched, not retired
         self._finalize_queued = False
         self._at_end: List[Callable[[], None]] = []  # run by finalize before it waits
-        # Called by finalize with the gradients it delivered into and their device: the
-        # strategy's agreement on overflow ([Note: agreeing on overflow]); None: nothing.
-        self.on_delivered: Optional[Callable[[List[torch.Tensor], torch.device], None]] = None
-        self._device: Optional[torch.device] = None  # of this backward's reductions
+        # Called last by every finalize: the gradients it delivered into and the device of
+        # this backward's reductions (None when it launched none: a no_sync backward).
+        self.on_finalized: Optional[
+            Callable[[List[torch.Tensor], Optional[torch.device]], None]
+        ] = None
+        self._device: Optional[torch.device] = None  # of the reductions launched last
 
     def at_end_of_backward(self, callback: Callable[[], None]) -> None:
         """Run ``callback`` (once) when this backward ends, before ``finalize`` delivers; it may
@@ -171,7 +174,7 @@ class PendingReductions:
         for callback in at_end:
             callback()
         reductions, self._all = self._all, []
-        launched = bool(reductions)  # the same on every rank: a synchronised backward
+        device = self._device if reductions else None  # launched: on every rank alike
         self._finalize_queued = False
         while self._in_flight:
             self._retire(self._in_flight.popleft())
@@ -191,8 +194,8 @@ class PendingReductions:
                 param.grad = total.detach()
             else:
                 param.grad += total
-        if launched and self.on_delivered is not None:
-            self.on_delivered([param.grad for param, _ in sums.values()], self._device)
+        if self.on_finalized is not None:
+            self.on_finalized([param.grad for param, _ in sums.values()], device)
 
     def abandon(self) -> None:
         """Drop (after waiting for them) the reductions of a backward that never finalized."""

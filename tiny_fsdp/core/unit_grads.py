@@ -77,7 +77,6 @@ class UnitGradients:
         """Write ``layer``'s full gradients (``layer.param_names`` order) into the buffers."""
         state = self.state
         state.reductions.at_end_of_backward(self.end_of_backward)
-        state.reductions.at_end_of_backward(state.end_of_backward)
         self._added.add(id(layer))
         if all(grad is None for grad in grads):
             return  # e.g. a layer whose parameters are all frozen

@@ -38,7 +38,7 @@ class UnitState(Prefetcher):
         self.unit_grads: List = []  # every unit's UnitGradients, in the order of ``units``
         self.streams = CommStreams()  # replaced by ``use_streams`` once the device is known
         self.reductions = PendingReductions(self.streams)
-        self.reductions.on_delivered = self.agree_on_overflow
+        self.reductions.on_finalized = self.backward_finished
         self.accumulated_bytes = 0  # of gradient sums kept across no_sync backwards
 
     @property
@@ -56,17 +56,16 @@ class UnitState(Prefetcher):
         """Ledger label of the shard group's collectives ([Note: communication ledger])."""
         return None
 
-    def agree_on_overflow(self, grads: List[torch.Tensor], device: torch.device) -> None:
-        """After a synchronised backward: a gradient that is not finite on one rank makes every
-        rank's gradients non-finite ([Note: agreeing on overflow])."""
-        if self.world_size > 1:
-            agree_on_overflow(grads, device, self.shard_group, self.shard_label)
-
-    def end_of_backward(self) -> None:
-        """Reshard every unit the backward left full: a unit holding layers that never ran
-        backward (frozen ones fed no gradient, a frozen teacher run under no_grad) would stay
-        full until the next forward ([Note: full units])."""
+    def backward_finished(self, grads: List[torch.Tensor], device: Optional[torch.device]) -> None:
+        """The reductions' finalize is done (``grads``: the gradients it delivered into;
+        ``device``: None after a no_sync backward). Reshard every unit left full: one holding
+        layers that never ran backward (frozen ones fed no gradient, a frozen teacher run under
+        no_grad) would stay full until the next forward ([Note: full units]). After a
+        synchronised backward, a gradient that is not finite on one rank makes every rank's
+        non-finite ([Note: agreeing on overflow])."""
         self.drop_transients()
+        if device is not None and self.world_size > 1:
+            agree_on_overflow(grads, device, self.shard_group, self.shard_label)
 
     def use_streams(self, streams: CommStreams) -> None:
         """Issue unshards and reductions through ``streams``."""
