@@ -167,6 +167,55 @@ def test_move_between_strategies_and_world_sizes(chain, tmp_path) -> None:
     assert_same(states[0], full_state("single", model, optimizer), "-> one device")
 
 
+class LayoutNet(nn.Module):
+    """Parameters in the layouts people give them: a ``channels_last`` conv weight and a
+    weight stored transposed (strides (1, 5)); neither is contiguous."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(3, 4, 3)
+        self.proj = nn.Parameter(torch.randn(5, 4).t())  # (4, 5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.conv(x).mean((2, 3)) @ self.proj  # (B, 3, H, W) -> (B, 5)
+
+
+def _layout_net(strategy: str) -> Tuple[nn.Module, Any]:
+    torch.manual_seed(0)
+    plain = LayoutNet().to(memory_format=torch.channels_last)
+    assert not plain.conv.weight.is_contiguous() and not plain.proj.is_contiguous()
+    return build(strategy, plain, OPTIMIZERS["adamw"])
+
+
+def _move_layouts(rank: int, world: int, path: str) -> Dict[str, StateT]:
+    """Train ZeRO-3 3 steps, save (full, then sharded), load into every strategy."""
+    model, optimizer = _layout_net("zero3")
+    for step in range(3):
+        g = torch.Generator().manual_seed(step * world + rank)
+        x = torch.randn(2, 3, 6, 6, generator=g).contiguous(memory_format=torch.channels_last)
+        model(x).square().mean().backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    states = {"source": full_state("zero3", model, optimizer)}
+    for kind in ("full", "sharded"):
+        save_checkpoint(f"{path}/{kind}", model, optimizer, step=3, sharded=kind == "sharded")
+        for strategy in ("ddp", "zero1", "zero2", "zero3", "fsdp"):
+            loaded, loaded_optimizer = _layout_net(strategy)
+            load_checkpoint(f"{path}/{kind}", loaded, loaded_optimizer)
+            states[f"{kind} -> {strategy}"] = full_state(strategy, loaded, loaded_optimizer)
+    return states
+
+
+def test_parameters_of_any_layout_move_between_strategies(tmp_path) -> None:
+    """A transposed or ``channels_last`` parameter is saved and loaded by its values, not its
+    memory order ([Note: contiguous payloads] in tiny_fsdp/core/comm.py)."""
+    states = run_distributed(_move_layouts, 2, str(tmp_path))[0]
+    source = states.pop("source")
+    assert source[1], "the optimizer has state after 3 steps"
+    for what, state in states.items():
+        assert_same(source, state, what)
+
+
 # ------------------------------------------------------------------------------ exact resume
 
 

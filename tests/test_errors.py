@@ -177,6 +177,32 @@ def _fsdp_batch_longer_than_block_size(rank: int, world_size: int) -> None:
     FSDP(make_model())(torch.zeros(1, CFG.block_size + 1, dtype=torch.long))
 
 
+def _collective_of_a_transposed_tensor(rank: int, world_size: int) -> None:
+    from tiny_fsdp.core import comm
+
+    comm.broadcast(torch.zeros(3, 2).t(), src=0)  # gloo would send its memory as it lies
+
+
+def _broadcast_into_tensors_of_any_layout(rank: int, world_size: int) -> None:
+    """Rank 0 and the others hold the tensor in different layouts: each gets rank 0's values."""
+    from tiny_fsdp.core import comm
+
+    full = torch.arange(2 * 3 * 4 * 5, dtype=torch.float32).view(2, 3, 4, 5)
+    layouts = {
+        "contiguous": lambda t: t.contiguous(),
+        "transposed": lambda t: t.transpose(0, 1).contiguous().transpose(0, 1),
+        "channels_last": lambda t: t.contiguous(memory_format=torch.channels_last),
+    }
+    scrambled = []  # asserted after the loop: every rank issues every broadcast
+    for sender, send_layout in layouts.items():
+        for receiver, receive_layout in layouts.items():
+            mine = send_layout(full) if rank == 0 else receive_layout(torch.zeros_like(full))
+            comm.broadcast_into(mine, src=0)
+            if not torch.equal(mine, full):
+                scrambled.append(f"{sender} -> {receiver}")
+    assert not scrambled, f"rank {rank} received scrambled values: {scrambled}"
+
+
 CASES: Dict[str, Callable[[int, int], None]] = {
     **{f"unsupported-{s}": _case_unsupported(s) for s in STRATEGIES},
     **{
@@ -199,6 +225,8 @@ CASES: Dict[str, Callable[[int, int], None]] = {
     "tied-table-same-owner": _zero3_table_splitting_the_tied_weight(same_owner=True),
     "tied-table-other-owner": _zero3_table_splitting_the_tied_weight(same_owner=False),
     "batch-longer-than-block": _fsdp_batch_longer_than_block_size,
+    "collective-non-contiguous": _collective_of_a_transposed_tensor,
+    "broadcast-into-any-layout": _broadcast_into_tensors_of_any_layout,
 }
 
 # case -> (exception type, message regex). A message must say what is wrong AND how to fix it.
@@ -238,6 +266,11 @@ EXPECTED: Dict[str, Tuple[type, str]] = {
         ValueError,
         r"sequence length 33 exceeds block_size 32: pass --seq_len <= block_size",
     ),
+    "collective-non-contiguous": (
+        ValueError,
+        r"broadcast: tensor of shape \(2, 3\).*not contiguous",
+    ),
+    "broadcast-into-any-layout": (type(None), ""),  # [Note: contiguous payloads]
 }
 
 

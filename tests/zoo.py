@@ -23,11 +23,14 @@ WIDTH = 10
 
 
 class TransposedLinear(nn.Module):
-    """y = x @ W + b with W of shape (in, out): HuggingFace's ``Conv1D`` layout."""
+    """y = x @ W + b with W of shape (in, out): HuggingFace's ``Conv1D`` layout. W is stored as
+    the transpose of an (out, in) tensor, so it is not contiguous (strides (1, in)), as a weight
+    converted from ``nn.Linear`` with ``.t()`` is: a collective handed it as it lies would send
+    scrambled values."""
 
     def __init__(self, d_in: int, d_out: int) -> None:
         super().__init__()
-        self.weight = nn.Parameter(torch.randn(d_in, d_out) * 0.2)
+        self.weight = nn.Parameter((torch.randn(d_out, d_in) * 0.2).t())
         self.bias = nn.Parameter(torch.zeros(d_out))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

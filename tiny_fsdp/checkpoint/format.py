@@ -200,9 +200,16 @@ class CheckpointReader:
         return getattr(torch, self.tensors[tid]["dtype"].replace("torch.", ""))
 
     def read_into(self, tid: str, start: int, stop: int, out: torch.Tensor) -> None:
-        if not out.is_contiguous() or out.numel() != stop - start:
-            raise ValueError(f"read_into needs a contiguous tensor of {stop - start} elements")
-        flat = out.view(-1)
+        """Row-major elements ``[start, stop)`` of ``tid`` into ``out``, whatever its strides (a
+        transposed or ``channels_last`` parameter is filled through a contiguous copy)."""
+        if out.numel() != stop - start:
+            raise ValueError(f"read_into needs a tensor of {stop - start} elements")
+        target = (
+            out
+            if out.is_contiguous()
+            else torch.empty_like(out, memory_format=torch.contiguous_format)
+        )
+        flat = target.view(-1)
         covered = 0
         for name, path, lo, hi in self.tensors[tid]["pieces"]:
             a, b = max(start, lo), min(stop, hi)
@@ -215,6 +222,8 @@ class CheckpointReader:
                 f"checkpoint '{self.directory}' lacks elements [{start}, {stop}) of '{tid}' "
                 f"(found {covered} of {stop - start})"
             )
+        if target is not out:
+            out.copy_(target)
 
     def scalars(self, name: str) -> Dict[str, Any]:
         """The scalar optimizer state of parameter ``name`` (e.g. AdamW's ``step``).

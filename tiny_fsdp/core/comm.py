@@ -8,6 +8,13 @@ turns payloads into the bytes a rank sends with ring algorithms, the model the Z
 an all-reduce moves 2 (N-1)/N of its payload, an all-gather, a reduce-scatter, a broadcast or a
 reduce (N-1)/N. Counting costs two dictionary updates per call.
 
+[Note: contiguous payloads]
+gloo sends and receives a tensor's memory as it lies, ignoring its strides, so a transposed or
+``channels_last`` tensor arrives scrambled, silently, unless both ends happen to share its
+layout; NCCL refuses it. Every collective here therefore refuses a non-contiguous tensor with
+an error, and a parameter, whose layout is the user's choice, is broadcast in place through
+``broadcast_into``, which sends a contiguous copy and writes it back.
+
 A collective issued with a ``label`` (HSDP's ``"shard"`` and ``"replicate"`` groups, [Note:
 hybrid sharding]) is also counted under it in ``group_calls`` / ``group_payload_bytes`` (keys
 ``(label, kind)``), so intra-group and inter-group traffic can be told apart;
@@ -110,6 +117,13 @@ def _issue(
     """``fn(*args, group=group, async_op=async_op, **kw)``: the collective, counted in the ledger
     (under ``label`` too, if given) and, while a step is traced, recorded from issue to
     completion ([Note: trace recorder], ``tiny_fsdp/trace/recorder.py``)."""
+    for arg in args:  # [Note: contiguous payloads]
+        if isinstance(arg, torch.Tensor) and not arg.is_contiguous():
+            raise ValueError(
+                f"{kind}: tensor of shape {tuple(arg.shape)} and strides {arg.stride()} is not "
+                "contiguous; collectives would send its memory in storage order (use "
+                "comm.broadcast_into for a parameter, or .contiguous())"
+            )
     LEDGER.record(kind, payload, label)
     rec = _trace.ACTIVE
     if rec is None:
@@ -201,6 +215,23 @@ def broadcast(
         async_op=async_op,
         label=label,
     )
+
+
+@torch.no_grad()
+def broadcast_into(
+    tensor: torch.Tensor,
+    src: int,
+    group: Optional[dist.ProcessGroup] = None,
+    label: Optional[str] = None,
+) -> None:
+    """Rank ``src``'s values written into ``tensor`` in place, whatever its strides (a
+    transposed or ``channels_last`` parameter); synchronous ([Note: contiguous payloads])."""
+    if tensor.is_contiguous():
+        broadcast(tensor, src, group=group, label=label)
+        return
+    flat = tensor.contiguous()
+    broadcast(flat, src, group=group, label=label)
+    tensor.copy_(flat)
 
 
 def reduce(

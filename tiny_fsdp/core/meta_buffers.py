@@ -64,7 +64,7 @@ def materialize_buffers(root: nn.Module, device: torch.device, what: str) -> Non
             raise ValueError(_missing(what, unset, module))
     if dist.get_world_size() > 1:
         for buffer in root.buffers():
-            comm.broadcast(buffer, src=0)
+            comm.broadcast_into(buffer, src=0)
 
 
 def _init_of(root: nn.Module, module: nn.Module) -> Optional[Callable[[], None]]:

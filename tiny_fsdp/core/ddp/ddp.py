@@ -123,5 +123,5 @@ class DDP(ReplicatedWrapper):
 def _broadcast_from_rank0(module: nn.Module) -> None:
     """Make every rank start from rank 0's parameters and buffers."""
     for param in module.parameters():
-        comm.broadcast(param.detach(), src=0)
+        comm.broadcast_into(param.detach(), src=0)
     broadcast_module_buffers(module)

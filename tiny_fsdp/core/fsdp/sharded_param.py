@@ -202,7 +202,7 @@ def shard_module(
     for name, param in list(root.named_parameters()):  # a tied parameter comes once
         full = _full_tensor(root, name, param, device)
         if sync and dist.get_world_size() > 1:
-            comm.broadcast(full, src=0)
+            comm.broadcast_into(full, src=0)
         shard = make_shard_parameter(param, full, rank, world_size, group)
         del full
         if shard is not param:  # meta: a new Parameter takes the old one's places

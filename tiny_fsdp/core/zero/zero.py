@@ -132,7 +132,7 @@ class ZeroWrapper(ReplicatedWrapper):
                 p.data = self.param_buffer.view(i)
             comm.broadcast(self.param_buffer.data, src=0)
             for p in [p for _, p in named if not p.requires_grad]:
-                comm.broadcast(p.detach(), src=0)
+                comm.broadcast_into(p.detach(), src=0)
             broadcast_module_buffers(self.module)
 
         self._grads = self.grad_store(self.params, self.layout, dtype, device, self.rank)
@@ -146,7 +146,7 @@ class ZeroWrapper(ReplicatedWrapper):
         first = self.params[0]
         shard = torch.zeros(self.layout.shard_numel, dtype=first.dtype, device=first.device)
         for p in self.params:
-            comm.broadcast(p.detach(), src=0)  # wrap time only: the masters agree on all ranks
+            comm.broadcast_into(p.detach(), src=0)  # wrap time only: the masters agree on all ranks
         for piece in self.owned_pieces.values():
             flat = self.params[piece.index].detach().reshape(-1)
             shard_piece(shard, piece).copy_(

@@ -84,7 +84,7 @@ class Zero3Runtime(UnitState):
         """The full tensor of ``param`` on every rank (a collective: call it on all ranks)."""
         info: TensorInfo = getattr(param, ATTR)
         if info.owner == self.rank:
-            full = param.detach()
+            full = param.detach().contiguous()  # [Note: contiguous payloads]
         else:
             full = torch.empty(info.shape, dtype=param.dtype, device=param.device)
         if self.world_size > 1:

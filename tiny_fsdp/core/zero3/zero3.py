@@ -178,7 +178,7 @@ class Zero3(FetchingWrapper):
             else:
                 data = param.data.to(device)
                 if sync and rt.world_size > 1:
-                    comm.broadcast(data, src=0)
+                    comm.broadcast_into(data, src=0)
                 param.data = data if owned else torch.empty(0, dtype=param.dtype, device=device)
             setattr(param, ATTR, info)
 
