@@ -223,6 +223,105 @@ def test_transformers_models_train_like_torch_ddp(world_size):
     assert len(results[0]) == 3 * 3 * 2
 
 
+# ---------------------------------------------------------------------- layers some ranks skip
+
+
+class Expert(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.up, self.down = nn.Linear(WIDTH, 2 * WIDTH), nn.Linear(2 * WIDTH, WIDTH)
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        return self.down(F.gelu(self.up(h)))
+
+
+class MoEBlock(nn.Module):
+    """Top-1 mixture of experts as it is often written: only the experts some token picked run.
+    A token's expert is its id mod 3 (a hash router); the router's softmax weighs the output.
+    With 4 experts, expert 3 is never picked."""
+
+    def __init__(self, n_experts: int) -> None:
+        super().__init__()
+        self.router = nn.Linear(WIDTH, n_experts)
+        self.experts = nn.ModuleList(Expert() for _ in range(n_experts))
+
+    def forward(self, h: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+        weight = self.router(h).softmax(-1)  # (B, T, 4)
+        pick = idx % 3  # (B, T)
+        out = torch.zeros_like(h)
+        for e in pick.unique().tolist():
+            mask = pick == e
+            out[mask] = self.experts[e](h[mask]) * weight[mask][:, e : e + 1]
+        return h + out
+
+
+class MoELM(nn.Module):
+    def __init__(self, n_experts: int) -> None:
+        super().__init__()
+        self.wte = nn.Embedding(VOCAB, WIDTH)
+        self.blocks = nn.ModuleList(MoEBlock(n_experts) for _ in range(3))
+        self.head = nn.Linear(WIDTH, VOCAB)
+
+    def forward(self, idx: torch.Tensor) -> ReaderOutput:
+        h = self.wte(idx)
+        for block in self.blocks:
+            h = block(h, idx)
+        return ReaderOutput(logits=self.head(h))
+
+
+def _moe_batch(step: int, rank: int) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Rank 0's tokens pick experts 0, 1 and 2; rank 1's only 0 and 1."""
+    g = torch.Generator().manual_seed(100 * step + rank)
+    x = (
+        torch.randint(0, VOCAB // 3, (2, SEQ_LEN), generator=g) * 3
+        + torch.tensor([0, 1, 2])[torch.randint(0, 3 - rank, (2, SEQ_LEN), generator=g)]
+    )
+    return x, torch.randint(0, VOCAB, (2, SEQ_LEN), generator=g)
+
+
+def _moe_train(model: nn.Module, optimizer: Any, rank: int) -> List[float]:
+    losses = []
+    for step in range(STEPS):
+        x, y = _moe_batch(step, rank)
+        loss = _zoo_loss(model, x, y)
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(loss.item())
+    return losses
+
+
+def _moe_worker(rank: int, world_size: int) -> List[str]:
+    seen = []
+    for n_experts in (3, 4):
+        torch.manual_seed(0)
+        model = MoELM(n_experts)
+        ddp = nn.parallel.DistributedDataParallel(model, find_unused_parameters=True)
+        optimizer = torch.optim.AdamW(ddp.parameters(), lr=LR, weight_decay=0.1)
+        ref_losses = _moe_train(ddp, optimizer, rank)
+        ref_state = model.state_dict()
+        for strategy in ("fsdp", "zero3"):
+            for async_comm in (True, False):
+                torch.manual_seed(0)
+                wrapped, optimizer = _wrap(strategy, MoELM(n_experts), world_size, async_comm)
+                for group in optimizer.param_groups:
+                    group["weight_decay"] = 0.1  # steps a parameter whose gradient is zero
+                losses = _moe_train(wrapped, optimizer, rank)
+                what = f"moe {n_experts} experts {strategy} async={async_comm}"
+                _compare(what, losses, wrapped.state_dict(), ref_losses, ref_state)
+                seen.append(what)
+    return seen
+
+
+def test_a_block_whose_layers_run_on_some_ranks_only_trains_like_torch_ddp():
+    """Expert 2 of every block runs on rank 0 only, so rank 0 runs every layer of a block and
+    rank 1 does not; with a fourth expert, no rank runs expert 3. FSDP and ZeRO-3 give torch
+    DDP's (find_unused_parameters=True) numbers: expert 2's gradient is the average over both
+    ranks (rank 1 adds zeros), expert 3 gets none and is not stepped (no weight decay), and the
+    ranks' collectives pair up ([Note: unit module events])."""
+    assert len(run_distributed(_moe_worker, 2)[0]) == 2 * 2 * 2
+
+
 # ------------------------------------------------------------------------------ forward once
 
 

@@ -19,6 +19,7 @@ from tiny_fsdp.core.module.outside_reads import OutsideReadWatch
 from tiny_fsdp.core.unit_grads import UnitGradients
 from tiny_fsdp.core.unit_handler import UnitHandler
 from tiny_fsdp.core.unit_layout import UnitSpec, unit_layers
+from tiny_fsdp.core.unit_module import watch_unit_module
 from tiny_fsdp.core.unit_state import UnitState
 from tiny_fsdp.core.wrapper import DataParallelWrapper
 
@@ -49,6 +50,8 @@ class FetchingWrapper(DataParallelWrapper):
             state.unit_grads.append(grads)
             for layer in layers:
                 UnitHandler(layer, full_unit, grads)
+            if name != "<root>" and len(layers) > 1:  # [Note: unit module events]
+                watch_unit_module(self.module.get_submodule(name), full_unit, grads)
         self._prefetcher = state
         self._reads = OutsideReadWatch(self.module)
 

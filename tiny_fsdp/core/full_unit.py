@@ -11,7 +11,8 @@ nested in a layer's backward finds the unit full and holds it too (``_holders`` 
 A unit the state keeps after forward (the first one of the backward, [Note: prefetch]) is not
 resharded by forward releases. A unit some of whose layers never run backward (frozen layers fed
 no gradient, a part run under no_grad) is resharded at the end of the backward
-(``UnitState.backward_finished``).
+(``UnitState.backward_finished``); a unit that is a module is also resharded when the module's
+forward or backward is over, whichever of its layers ran ([Note: unit module events]).
 
 Subclasses make the parameters full (``unshard`` / ``wait_for_unshard``, then ``set_full``) and
 say what a reshard frees (``on_reshard``).
@@ -62,6 +63,15 @@ class FullUnit:
         released.add(id(layer))
         if self._holders == 0 and len(released) == len(self.layers):
             self.reshard()
+
+    def module_done(self, phase: TrainingPhase) -> None:
+        """The unit's module finished ``phase``: layers that did not run count as released
+        ([Note: unit module events])."""
+        if self._full is None or self._holders:
+            return
+        if phase is TrainingPhase.FORWARD and self.state.keeps_after_forward(self):
+            return
+        self.reshard()
 
     def set_full(self, full: Dict[int, torch.Tensor]) -> None:
         """The unshard is complete: ``full`` maps id(local parameter) -> its full tensor."""

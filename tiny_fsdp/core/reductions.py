@@ -16,6 +16,12 @@ else ``.grad += sum``). That is exactly what autograd did when the layers return
 input buffer sums a node's incoming gradients, then ``AccumulateGrad`` adds them), so results are
 bitwise the same as before, and the same with async communication on and off: off, each
 collective runs at once (``async_op=False``), in the same order, delivered by the same code.
+A part of a parameter this rank gave no gradient (an expert only other ranks' tokens picked,
+[Note: unit module events]) is delivered only if it is not all zeros, i.e. if another rank
+gave one: as torch's DDP with ``find_unused_parameters=True``, a parameter no rank used keeps
+``.grad`` None and is not stepped. (A gradient that another rank gave and that is exactly zero
+on this rank's whole shard would be taken for no gradient; this test reads the part on the
+host, only for such parts, so a model whose ranks use every parameter never syncs here.)
 Accumulation across backwards, ``no_sync`` (nothing is launched: the strategies sum locally),
 clipping after ``backward()``, tied and frozen parameters (no part) keep their meaning. Two
 differences from autograd's accumulation: ``register_post_accumulate_grad_hook`` hooks of these
@@ -58,7 +64,7 @@ is in flight and drops it undelivered (as autograd drops a failed backward's gra
 
 from collections import deque
 from dataclasses import dataclass
-from typing import Any, Callable, Deque, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Deque, Dict, FrozenSet, List, Optional, Sequence, Tuple
 
 import torch
 from torch import nn
@@ -73,6 +79,7 @@ class _Reduction:
     handle: CommHandle
     inputs: Sequence[torch.Tensor]  # kept alive until retired
     parts: Sequence[Part]  # delivered at finalize
+    unused: FrozenSet[int]  # ids of the parameters this rank gave no gradient
     input_bytes: int
     output_bytes: int
     retired: bool = False
@@ -133,12 +140,14 @@ class PendingReductions:
         parts: Sequence[Part],
         async_op: bool,
         then: Optional[Launch] = None,
+        unused: FrozenSet[int] = frozenset(),
     ) -> None:
         """Issue one reduction; ``parts`` are read (and delivered) only at ``finalize``.
 
         ``launch(async_op)`` calls the collective; ``inputs`` are the tensors it reads, kept
         alive until it is retired; ``parts``: (parameter, slice of the output) pairs;
-        ``then``: a second collective on the output, started once the first is done.
+        ``then``: a second collective on the output, started once the first is done;
+        ``unused``: ids of the parameters of ``parts`` this rank gave no gradient.
         """
         if then is not None and (self.streams.uses_streams or not async_op):
             launch, then = _in_sequence(launch, then), None  # stream order / synchronous
@@ -151,6 +160,7 @@ class PendingReductions:
             handle=self.streams.issue(REDUCE, launch, async_op),
             inputs=tuple(inputs),
             parts=tuple(parts),
+            unused=unused,
             # an input that is also an output (ZeRO-3's owner) counts as an output
             input_bytes=sum(n for p, n in _storages(inputs).items() if p not in outputs),
             output_bytes=sum(outputs.values()),
@@ -178,24 +188,27 @@ class PendingReductions:
         self._finalize_queued = False
         while self._in_flight:
             self._retire(self._in_flight.popleft())
-        sums: Dict[int, List] = {}  # id(param) -> [param, sum of its parts]
+        sums: Dict[int, List] = {}  # id(param) -> [param, sum of its parts, used here]
         for reduction in reductions:
             for param, part in reduction.parts:
                 part = part.to(param.dtype)
+                used = id(param) not in reduction.unused
                 entry = sums.get(id(param))
                 if entry is None:
-                    sums[id(param)] = [param, part]
+                    sums[id(param)] = [param, part, used]
                 else:
-                    entry[1] = entry[1] + part
+                    entry[1], entry[2] = entry[1] + part, entry[2] or used
             self.stats.track(-reduction.output_bytes)
         del reductions
-        for param, total in sums.values():
+        # Unused here: used by another rank if its reduced part is not all zeros.
+        sums = {k: v for k, v in sums.items() if v[2] or bool(v[1].any())}
+        for param, total, _ in sums.values():
             if param.grad is None:
                 param.grad = total.detach()
             else:
                 param.grad += total
         if self.on_finalized is not None:
-            self.on_finalized([param.grad for param, _ in sums.values()], device)
+            self.on_finalized([param.grad for param, _, _ in sums.values()], device)
 
     def abandon(self) -> None:
         """Drop (after waiting for them) the reductions of a backward that never finalized."""

@@ -23,9 +23,12 @@ tied weight's gradient travels once. ``unit="tensor"`` keeps one per tensor.
 End of the backward. A unit whose layers did not all add (a layer whose output did not reach
 the loss, a layer called twice whose second backward comes after the launch) is launched by
 ``end_of_backward``, which the reductions run before delivering ([Note: asynchronous
-reduction]): what was added is reduced, nothing is lost. A parameter with no gradient on this
-rank gets no part (its ``.grad`` is left alone); its columns are zero. All ranks run the same
-graph, so they issue the same collectives in the same order.
+reduction]), or, if the unit is a module, when the module's backward is over ([Note: unit
+module events]): what was added is reduced, nothing is lost. A parameter with no gradient on
+this rank contributes zeros (its columns); its part is still handed over, flagged unused, and
+``finalize`` delivers it only if another rank gave it a gradient. So the ranks issue the same
+collectives in the same order as long as they run the same units in the same order, whichever
+layers of a unit run.
 
 ``no_sync``: nothing is launched; the buffer is kept (in the parameters' dtype, fp32, like
 ``.grad``) and the next synchronised backward adds to it, then casts it once to the policy's
@@ -107,6 +110,12 @@ class UnitGradients:
             self.state.reductions.stats.track(-self._live_bytes)
             self.state.track_accumulated(self._live_bytes)
             self._kept_bytes, self._live_bytes = self._live_bytes, 0
+
+    def module_backward_done(self) -> None:
+        """The unit's module finished its backward: launch what was added, whichever layers
+        ran ([Note: unit module events])."""
+        if self._buffers is not None and self.state.require_grad_sync:
+            self._launch()
 
     def drop_unfinished(self) -> None:
         """Forget the sums of a backward that raised before its end (kept no_sync sums stay)."""
@@ -195,9 +204,10 @@ class UnitGradients:
         raise NotImplementedError
 
     def reduce_group(
-        self, group: List[nn.Parameter], buffer: torch.Tensor, delivered: List[bool]
+        self, group: List[nn.Parameter], buffer: torch.Tensor, written: List[bool]
     ) -> None:
-        """Launch the reduction of the averaged ``buffer``; parts for ``delivered`` params."""
+        """Launch the reduction of the averaged ``buffer``, with a part for every parameter
+        this rank holds a share of; ``written``: which of them this rank gave a gradient."""
         raise NotImplementedError
 
 

@@ -43,15 +43,15 @@ class ReduceScatterGrads(UnitGradients):
             info.copy_in(grad, columns, accumulate)
 
     def reduce_group(
-        self, group: List[nn.Parameter], buffer: torch.Tensor, delivered: List[bool]
+        self, group: List[nn.Parameter], buffer: torch.Tensor, written: List[bool]
     ) -> None:
         reduced = buffer.new_empty(buffer.numel() // self.state.world_size)  # this rank's row
         parts, offset = [], 0
-        for param, deliver in zip(group, delivered):
+        for param in group:
             info = shard_info(param)
-            if deliver:
-                parts.append(
-                    (param, reduced[offset : offset + info.shard_numel].view(info.shard_shape))
-                )
+            parts.append(
+                (param, reduced[offset : offset + info.shard_numel].view(info.shard_shape))
+            )
             offset += info.shard_numel
-        self.state.launch_reduce_scatter(reduced, buffer, parts)
+        unused = frozenset(id(p) for p, w in zip(group, written) if not w)
+        self.state.launch_reduce_scatter(reduced, buffer, parts, unused)

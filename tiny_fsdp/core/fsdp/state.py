@@ -10,7 +10,7 @@ spread over (every rank in plain FSDP); under HSDP gradients are averaged over a
 sharding]).
 """
 
-from typing import Any, Optional, Sequence
+from typing import Any, FrozenSet, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -59,11 +59,16 @@ class FSDPState(UnitState):
         return self.groups.world_size
 
     def launch_reduce_scatter(
-        self, output: torch.Tensor, input: torch.Tensor, parts: Sequence[Part]
+        self,
+        output: torch.Tensor,
+        input: torch.Tensor,
+        parts: Sequence[Part],
+        unused: FrozenSet[int] = frozenset(),
     ) -> None:
         """Reduce-scatter ``input`` (world * k,) into ``output`` (k,) in the shard group, then
         (HSDP) all-reduce ``output`` across the replicas; ``parts`` go to ``.grad`` at the end
-        of the backward ([Note: asynchronous reduction], [Note: hybrid sharding])."""
+        of the backward ([Note: asynchronous reduction], [Note: hybrid sharding]); ``unused``:
+        ids of the parameters among them this rank gave no gradient."""
         groups = self.groups
 
         def launch(async_op: bool) -> Any:
@@ -77,7 +82,7 @@ class FSDPState(UnitState):
             )
 
         then = None if groups.replicate_group is None else across_replicas
-        self.reductions.launch(launch, (input, output), parts, self.async_comm, then=then)
+        self.reductions.launch(launch, (input, output), parts, self.async_comm, then, unused)
 
     def track_gathered(self, nbytes: int) -> None:
         self.gathered_bytes += nbytes

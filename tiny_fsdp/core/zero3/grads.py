@@ -44,13 +44,14 @@ class ReduceToOwnerGrads(UnitGradients):
             region.copy_(grad.reshape(-1))
 
     def reduce_group(
-        self, group: List[nn.Parameter], buffer: torch.Tensor, delivered: List[bool]
+        self, group: List[nn.Parameter], buffer: torch.Tensor, written: List[bool]
     ) -> None:
         owner = getattr(group[0], ATTR).owner
         parts, offset = [], 0
-        for param, deliver in zip(group, delivered):
+        for param in group:
             shape = getattr(param, ATTR).shape
-            if deliver and owner == self.state.rank:
+            if owner == self.state.rank:
                 parts.append((param, buffer[offset : offset + shape.numel()].view(shape)))
             offset += shape.numel()
-        self.state.launch_reduce(buffer, owner, parts)
+        unused = frozenset(id(p) for p, w in zip(group, written) if not w)
+        self.state.launch_reduce(buffer, owner, parts, unused)

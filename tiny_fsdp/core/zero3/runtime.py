@@ -8,7 +8,7 @@ asynchronous reduction]).
 
 import weakref
 from dataclasses import dataclass, field
-from typing import Any, List, Optional, Sequence, Tuple
+from typing import Any, FrozenSet, List, Optional, Sequence, Tuple
 
 import torch
 from torch import nn
@@ -67,7 +67,11 @@ class Zero3Runtime(UnitState):
         self.stats = FetchStats()
 
     def launch_reduce(
-        self, buffer: torch.Tensor, owner: int, parts: Sequence[Tuple[nn.Parameter, torch.Tensor]]
+        self,
+        buffer: torch.Tensor,
+        owner: int,
+        parts: Sequence[Tuple[nn.Parameter, torch.Tensor]],
+        unused: FrozenSet[int] = frozenset(),
     ) -> None:
         """SUM-reduce ``buffer`` to ``owner``; ``parts`` (views of it, on the owner) go to
         ``.grad`` at the end of the backward ([Note: asynchronous reduction])."""
@@ -77,7 +81,7 @@ class Zero3Runtime(UnitState):
                 return []  # one rank: the reduction is the identity
             return [comm.reduce(buffer, dst=owner, async_op=async_op)]
 
-        self.reductions.launch(launch, (buffer,), parts, self.async_comm)
+        self.reductions.launch(launch, (buffer,), parts, self.async_comm, unused=unused)
 
     @torch.no_grad()
     def gather_full(self, param: nn.Parameter) -> torch.Tensor:

@@ -1,0 +1,88 @@
+"""A unit's module tells the unit when its forward and its backward are over.
+
+[Note: unit module events]
+A unit of several layers ([Note: full units]) reshards after a phase, and launches its gradient
+reduction ([Note: unit reduction]), once *every* one of its layers is done. That count is local:
+a block whose layers do not all run on every rank (a mixture of experts that calls only the
+experts its tokens picked, a branch taken on one rank) would reach it on one rank and not on
+another. The first rank would then reshard the unit and gather it again, or launch its
+reduction, where the other does not, and the ranks' collectives would pair up wrongly: another
+unit's gradients summed into this one's, silently.
+
+So a unit that is a module (a block of ``unit="auto"``, a module of a ``unit=[...]`` list) also
+hears from that module, whose calls every rank makes alike:
+
+- after the module's forward, layers that did not run count as done in the forward (the unit
+  reshards unless the prefetcher keeps it for the backward);
+- when the gradients of the module's inputs are computed, i.e. the module's backward is over
+  (an identity autograd function on its inputs, FSDP2's post-backward hook), layers that did
+  not run count as done in the backward: the unit reshards and its sums are reduced.
+
+Where every layer runs, the count is reached first and the module's events find nothing left
+to do; where some did not, the events come at the point the count would have been reached on
+the other ranks, before any collective of another unit. A parameter that this rank did not use
+contributes zeros to the sums; which parameters receive the reduced gradient is decided in
+``PendingReductions.finalize`` ([Note: asynchronous reduction]). A module whose inputs need no
+gradient (token ids) has no backward event; its unit falls back to the end of the backward,
+which every rank reaches alike.
+"""
+
+from typing import Any, Callable, Dict, Tuple
+
+import torch
+from torch import nn
+
+from tiny_fsdp.core.full_unit import FullUnit
+from tiny_fsdp.core.module.handler import TrainingPhase
+from tiny_fsdp.core.unit_grads import UnitGradients
+
+
+class _BackwardDone(torch.autograd.Function):
+    """Identity on the module's inputs; its backward runs once their gradients are complete."""
+
+    @staticmethod
+    def forward(ctx: Any, callback: Callable[[], None], *inputs: torch.Tensor) -> Any:
+        ctx.callback = callback
+        return inputs
+
+    @staticmethod
+    def backward(ctx: Any, *grads: torch.Tensor) -> Any:
+        ctx.callback()
+        return (None, *grads)
+
+
+def watch_unit_module(module: nn.Module, unit: FullUnit, grads: UnitGradients) -> None:
+    """Hook ``module``'s forward and backward ends to ``unit`` and ``grads`` ([Note: unit
+    module events])."""
+
+    def backward_done() -> None:
+        unit.module_done(TrainingPhase.BACKWARD)
+        grads.module_backward_done()
+
+    def before(_: nn.Module, args: Tuple, kwargs: Dict[str, Any]) -> Tuple[Tuple, Dict[str, Any]]:
+        if not torch.is_grad_enabled():
+            return args, kwargs
+        keys = [i for i, a in enumerate(args) if _needs_grad(a)]
+        names = [k for k, v in kwargs.items() if _needs_grad(v)]
+        if not keys and not names:
+            return args, kwargs
+        out = _BackwardDone.apply(
+            backward_done, *[args[i] for i in keys], *[kwargs[k] for k in names]
+        )
+        args, kwargs = list(args), dict(kwargs)
+        for i, tensor in zip(keys + names, out):
+            if isinstance(i, int):
+                args[i] = tensor
+            else:
+                kwargs[i] = tensor
+        return tuple(args), kwargs
+
+    def after(*_: Any) -> None:
+        unit.module_done(TrainingPhase.FORWARD)
+
+    module.register_forward_pre_hook(before, with_kwargs=True)
+    module.register_forward_hook(after)
+
+
+def _needs_grad(value: Any) -> bool:
+    return isinstance(value, torch.Tensor) and value.requires_grad
