@@ -6,7 +6,9 @@ per-rank batches: losses every step, every parameter and buffer at the end. Mode
 called twice, a tied head read by the parent, a dataclass output), a model whose parent reads a
 child's 0-d parameter (and torch's ``nn.MultiheadAttention``, which reads two of its child's
 parameters in one op), a student with a frozen teacher run under no_grad (after every backward
-no unit may stay full), and tiny GPT-2 / Llama / BERT from ``transformers`` (if installed).
+no unit may stay full), weights computed by ``weight_norm`` / ``parametrizations``, a mixture
+of experts whose ranks run different experts, and tiny GPT-2 / Llama / BERT from
+``transformers`` (if installed).
 Cases are combined into few distributed calls to keep CI time small.
 """
 
@@ -104,6 +106,25 @@ class DistillLM(nn.Module):
         return ReaderOutput(logits=self.head(s + t))
 
 
+class ParametrizedLM(nn.Module):
+    """Weights computed from other parameters: ``nn.utils.weight_norm`` (a forward pre-hook
+    derives ``conv.weight`` from ``weight_g`` / ``weight_v``; the layer is no longer the
+    ``nn.Conv1d`` a wrapper implements), the ``parametrizations`` API's weight norm and an
+    orthogonal weight (which keeps a transposed, non-contiguous buffer)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.wte = nn.Embedding(VOCAB, WIDTH)
+        self.conv = nn.utils.weight_norm(nn.Conv1d(WIDTH, WIDTH, 3, padding=1))
+        self.mix = nn.utils.parametrizations.orthogonal(nn.Linear(WIDTH, WIDTH))
+        self.head = nn.utils.parametrizations.weight_norm(nn.Linear(WIDTH, VOCAB))
+
+    def forward(self, idx: torch.Tensor) -> ReaderOutput:
+        h = self.wte(idx)  # (B, T, WIDTH)
+        h = h + F.gelu(self.conv(h.transpose(1, 2))).transpose(1, 2)
+        return ReaderOutput(logits=self.head(torch.tanh(self.mix(h))))
+
+
 def _zoo_loss(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     return zoo_loss(model(x), y)
 
@@ -114,6 +135,7 @@ def _models(names: List[str]) -> Dict[str, Tuple[Build, Loss, Callable[[nn.Modul
         "zoo": (_zoo, _zoo_loss, lambda m: [m.shared, m.bn]),
         "reader": (ReaderLM, _zoo_loss, lambda m: [m.holder]),
         "distill": (DistillLM, _zoo_loss, lambda m: [*m.student, *m.teacher]),
+        "parametrized": (ParametrizedLM, _zoo_loss, lambda m: [m.conv, m.mix]),
     }
     if any(n in ("gpt2", "llama", "bert") for n in names):
         blocks = {
@@ -212,8 +234,9 @@ def _parity_worker(rank: int, world_size: int, names: List[str]) -> List[Tuple[s
 
 @pytest.mark.parametrize("world_size", [2, 3])
 def test_models_as_written_train_like_torch_ddp(world_size):
-    results = run_distributed(_parity_worker, world_size, ["zoo", "reader", "distill"])
-    assert len(results[0]) == 3 * 3 * 2  # models x strategies x async, checked on every rank
+    names = ["zoo", "reader", "distill", "parametrized"]
+    results = run_distributed(_parity_worker, world_size, names)
+    assert len(results[0]) == 4 * 3 * 2  # models x strategies x async, checked on every rank
 
 
 @pytest.mark.parametrize("world_size", [2, 3])

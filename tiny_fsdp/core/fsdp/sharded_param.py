@@ -217,7 +217,7 @@ def shard_module(
             if device is not None:
                 module._buffers[name] = buffer = buffer.to(device)
             if sync and dist.get_world_size() > 1:
-                comm.broadcast(buffer, src=0)  # buffers stay whole, and equal on every rank
+                comm.broadcast_into(buffer, src=0)  # buffers stay whole, equal on every rank
 
 
 def _meta_device(device: Optional[torch.device]) -> torch.device:

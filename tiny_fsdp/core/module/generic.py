@@ -78,7 +78,9 @@ class GenericLayer:
         self._queued = False  # end-of-backward callback queued
         self._depth = 0  # nested calls of the module's forward
         self._pending: Dict[int, torch.Tensor] = {}  # index in params -> full gradient
-        module.register_forward_pre_hook(self._pre_forward)
+        # First: the module's own pre-hooks (nn.utils.weight_norm deriving ``weight`` from
+        # ``weight_g`` / ``weight_v``) then read full parameters.
+        module.register_forward_pre_hook(self._pre_forward, prepend=True)
         module.register_forward_hook(self._post_forward, always_call=True)
 
     def add_param(self, name: str, owner: nn.Module, slot: int) -> FullParam:
