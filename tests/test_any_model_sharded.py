@@ -110,7 +110,8 @@ class ParametrizedLM(nn.Module):
     """Weights computed from other parameters: ``nn.utils.weight_norm`` (a forward pre-hook
     derives ``conv.weight`` from ``weight_g`` / ``weight_v``; the layer is no longer the
     ``nn.Conv1d`` a wrapper implements), the ``parametrizations`` API's weight norm and an
-    orthogonal weight (which keeps a transposed, non-contiguous buffer)."""
+    orthogonal weight (which keeps a transposed, non-contiguous buffer); and a convolution with
+    reflect padding, which the Conv1d wrapper does not implement (the generic path runs it)."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -118,10 +119,12 @@ class ParametrizedLM(nn.Module):
         self.conv = nn.utils.weight_norm(nn.Conv1d(WIDTH, WIDTH, 3, padding=1))
         self.mix = nn.utils.parametrizations.orthogonal(nn.Linear(WIDTH, WIDTH))
         self.head = nn.utils.parametrizations.weight_norm(nn.Linear(WIDTH, VOCAB))
+        self.reflect = nn.Conv1d(WIDTH, WIDTH, 3, padding=1, padding_mode="reflect")
 
     def forward(self, idx: torch.Tensor) -> ReaderOutput:
         h = self.wte(idx)  # (B, T, WIDTH)
         h = h + F.gelu(self.conv(h.transpose(1, 2))).transpose(1, 2)
+        h = h + self.reflect(h.transpose(1, 2)).transpose(1, 2)
         return ReaderOutput(logits=self.head(torch.tanh(self.mix(h))))
 
 

@@ -106,11 +106,14 @@ def test_conv_frozen_weight_and_input_without_grad():
     assert ours.weight.grad is None and ours.bias.grad is not None
 
 
-@pytest.mark.parametrize("mode", ["reflect", "circular"])
-def test_conv_rejects_padding_modes_it_does_not_implement(mode):
-    with pytest.raises(NotImplementedError, match=mode):
-        convert_module(nn.Conv1d(2, 2, 3, padding=1, padding_mode=mode))
-    with pytest.raises(NotImplementedError, match=mode):  # built directly: caught at forward
+@pytest.mark.parametrize("mode", ["reflect", "circular", "replicate"])
+def test_conv_with_another_padding_mode_takes_the_generic_path(mode):
+    torch.manual_seed(0)
+    reference = nn.Conv2d(2, 3, 3, padding=1, padding_mode=mode)
+    ours = convert_module(copy.deepcopy(reference))
+    assert type(ours) is nn.Conv2d  # not swapped for the wrapper: hooked as written
+    _assert_matches(reference, ours, [torch.randn(2, 2, 5, 5)])
+    with pytest.raises(NotImplementedError, match=mode):  # the wrapper built directly
         Conv1d(2, 2, 3, padding=1, padding_mode=mode)(torch.randn(1, 2, 5))
 
 

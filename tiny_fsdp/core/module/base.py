@@ -131,6 +131,12 @@ class CallbackModule(nn.Module):
     param_handler: ParamHandler = LOCAL_HANDLER
     function: type
 
+    @classmethod
+    def implements(cls, module: nn.Module) -> bool:
+        """Whether this wrapper computes what ``module`` (an instance of the torch class it
+        replaces) computes; ``convert_module`` leaves any other to the generic path."""
+        return True
+
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
         # One Function class per wrapper class: defined once, named after the layer in traces.

@@ -28,6 +28,10 @@ class _ConvCallback(CallbackModule):
 
     param_names = ("weight", "bias")
 
+    @classmethod
+    def implements(cls, module: nn.Module) -> bool:
+        return module.padding_mode == "zeros"  # other modes: the generic path
+
     def check_supported(self) -> None:
         """Only zero padding is implemented; other modes need their own padding backward."""
         if self.padding_mode != "zeros":
