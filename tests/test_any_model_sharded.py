@@ -282,10 +282,10 @@ class MoEBlock(nn.Module):
 
 
 class MoELM(nn.Module):
-    def __init__(self, n_experts: int) -> None:
+    def __init__(self, n_experts: int, n_blocks: int = 3) -> None:
         super().__init__()
         self.wte = nn.Embedding(VOCAB, WIDTH)
-        self.blocks = nn.ModuleList(MoEBlock(n_experts) for _ in range(3))
+        self.blocks = nn.ModuleList(MoEBlock(n_experts) for _ in range(n_blocks))
         self.head = nn.Linear(WIDTH, VOCAB)
 
     def forward(self, idx: torch.Tensor) -> ReaderOutput:
@@ -319,9 +319,11 @@ def _moe_train(model: nn.Module, optimizer: Any, rank: int) -> List[float]:
 
 def _moe_worker(rank: int, world_size: int) -> List[str]:
     seen = []
-    for n_experts in (3, 4):
+    # (experts, blocks): with one block, the experts are the only list of like modules, so
+    # the unit is named: the MoE block (unit="auto" would make each expert a unit).
+    for n_experts, n_blocks in ((3, 3), (4, 3), (3, 1)):
         torch.manual_seed(0)
-        model = MoELM(n_experts)
+        model = MoELM(n_experts, n_blocks)
         ddp = nn.parallel.DistributedDataParallel(model, find_unused_parameters=True)
         optimizer = torch.optim.AdamW(ddp.parameters(), lr=LR, weight_decay=0.1)
         ref_losses = _moe_train(ddp, optimizer, rank)
@@ -329,11 +331,13 @@ def _moe_worker(rank: int, world_size: int) -> List[str]:
         for strategy in ("fsdp", "zero3"):
             for async_comm in (True, False):
                 torch.manual_seed(0)
-                wrapped, optimizer = _wrap(strategy, MoELM(n_experts), world_size, async_comm)
+                ours = MoELM(n_experts, n_blocks)
+                kw = {"unit": [ours.blocks[0]]} if n_blocks == 1 else {}
+                wrapped, optimizer = _wrap(strategy, ours, world_size, async_comm, **kw)
                 for group in optimizer.param_groups:
                     group["weight_decay"] = 0.1  # steps a parameter whose gradient is zero
                 losses = _moe_train(wrapped, optimizer, rank)
-                what = f"moe {n_experts} experts {strategy} async={async_comm}"
+                what = f"moe {n_experts} experts x {n_blocks} {strategy} async={async_comm}"
                 _compare(what, losses, wrapped.state_dict(), ref_losses, ref_state)
                 seen.append(what)
     return seen
@@ -344,8 +348,9 @@ def test_a_block_whose_layers_run_on_some_ranks_only_trains_like_torch_ddp():
     rank 1 does not; with a fourth expert, no rank runs expert 3. FSDP and ZeRO-3 give torch
     DDP's (find_unused_parameters=True) numbers: expert 2's gradient is the average over both
     ranks (rank 1 adds zeros), expert 3 gets none and is not stepped (no weight decay), and the
-    ranks' collectives pair up ([Note: unit module events])."""
-    assert len(run_distributed(_moe_worker, 2)[0]) == 2 * 2 * 2
+    ranks' collectives pair up ([Note: unit module events]). A single MoE block, named as the
+    unit, as the README says."""
+    assert len(run_distributed(_moe_worker, 2)[0]) == 3 * 2 * 2
 
 
 # ------------------------------------------------------------------------------ forward once
