@@ -15,7 +15,7 @@ Cases are combined into few distributed calls to keep CI time small.
 import copy
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, List, Tuple
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import pytest
 import torch
@@ -271,7 +271,9 @@ class MoEBlock(nn.Module):
         self.router = nn.Linear(WIDTH, n_experts)
         self.experts = nn.ModuleList(Expert() for _ in range(n_experts))
 
-    def forward(self, h: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+    def forward(self, h: Any, idx: Optional[torch.Tensor] = None) -> torch.Tensor:
+        if idx is None:
+            h, idx = h["hidden"], h["idx"]  # one dict argument
         weight = self.router(h).softmax(-1)  # (B, T, 4)
         pick = idx % 3  # (B, T)
         out = torch.zeros_like(h)
@@ -282,8 +284,9 @@ class MoEBlock(nn.Module):
 
 
 class MoELM(nn.Module):
-    def __init__(self, n_experts: int, n_blocks: int = 3) -> None:
+    def __init__(self, n_experts: int, n_blocks: int = 3, dict_input: bool = False) -> None:
         super().__init__()
+        self.dict_input = dict_input
         self.wte = nn.Embedding(VOCAB, WIDTH)
         self.blocks = nn.ModuleList(MoEBlock(n_experts) for _ in range(n_blocks))
         self.head = nn.Linear(WIDTH, VOCAB)
@@ -291,7 +294,7 @@ class MoELM(nn.Module):
     def forward(self, idx: torch.Tensor) -> ReaderOutput:
         h = self.wte(idx)
         for block in self.blocks:
-            h = block(h, idx)
+            h = block({"hidden": h, "idx": idx}) if self.dict_input else block(h, idx)
         return ReaderOutput(logits=self.head(h))
 
 
@@ -319,11 +322,16 @@ def _moe_train(model: nn.Module, optimizer: Any, rank: int) -> List[float]:
 
 def _moe_worker(rank: int, world_size: int) -> List[str]:
     seen = []
-    # (experts, blocks): with one block, the experts are the only list of like modules, so
-    # the unit is named: the MoE block (unit="auto" would make each expert a unit).
-    for n_experts, n_blocks in ((3, 3), (4, 3), (3, 1)):
+    # (experts, blocks, dict input): with one block, the experts are the only list of like
+    # modules, so the unit is named: the MoE block (unit="auto" would make each expert a unit).
+    for n_experts, n_blocks, dict_input in (
+        (3, 3, False),
+        (4, 3, False),
+        (3, 1, False),
+        (3, 3, True),
+    ):
         torch.manual_seed(0)
-        model = MoELM(n_experts, n_blocks)
+        model = MoELM(n_experts, n_blocks, dict_input)
         ddp = nn.parallel.DistributedDataParallel(model, find_unused_parameters=True)
         optimizer = torch.optim.AdamW(ddp.parameters(), lr=LR, weight_decay=0.1)
         ref_losses = _moe_train(ddp, optimizer, rank)
@@ -331,13 +339,13 @@ def _moe_worker(rank: int, world_size: int) -> List[str]:
         for strategy in ("fsdp", "zero3"):
             for async_comm in (True, False):
                 torch.manual_seed(0)
-                ours = MoELM(n_experts, n_blocks)
+                ours = MoELM(n_experts, n_blocks, dict_input)
                 kw = {"unit": [ours.blocks[0]]} if n_blocks == 1 else {}
                 wrapped, optimizer = _wrap(strategy, ours, world_size, async_comm, **kw)
                 for group in optimizer.param_groups:
                     group["weight_decay"] = 0.1  # steps a parameter whose gradient is zero
                 losses = _moe_train(wrapped, optimizer, rank)
-                what = f"moe {n_experts} experts x {n_blocks} {strategy} async={async_comm}"
+                what = f"moe {n_experts} x {n_blocks} dict={dict_input} {strategy} {async_comm}"
                 _compare(what, losses, wrapped.state_dict(), ref_losses, ref_state)
                 seen.append(what)
     return seen
@@ -348,9 +356,9 @@ def test_a_block_whose_layers_run_on_some_ranks_only_trains_like_torch_ddp():
     rank 1 does not; with a fourth expert, no rank runs expert 3. FSDP and ZeRO-3 give torch
     DDP's (find_unused_parameters=True) numbers: expert 2's gradient is the average over both
     ranks (rank 1 adds zeros), expert 3 gets none and is not stepped (no weight decay), and the
-    ranks' collectives pair up ([Note: unit module events]). A single MoE block, named as the
-    unit, as the README says."""
-    assert len(run_distributed(_moe_worker, 2)[0]) == 3 * 2 * 2
+    ranks' collectives pair up ([Note: unit module events]), also when a block takes its
+    input inside a dict. A single MoE block, named as the unit, as the README says."""
+    assert len(run_distributed(_moe_worker, 2)[0]) == 4 * 2 * 2
 
 
 # ------------------------------------------------------------------------------ forward once

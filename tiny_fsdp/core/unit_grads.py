@@ -75,6 +75,8 @@ class UnitGradients:
         self._added: Set[int] = set()  # ids of the layers that added in this backward
         self._kept_bytes = 0  # buffers kept across no_sync backwards (accumulated_bytes)
         self._live_bytes = 0  # buffers being filled (counted with the reductions)
+        # False: launch at the end of the backward only ([Note: unit module events])
+        self.launch_when_complete = True
 
     def add(self, layer: nn.Module, grads: Params) -> None:
         """Write ``layer``'s full gradients (``layer.param_names`` order) into the buffers."""
@@ -96,7 +98,7 @@ class UnitGradients:
             index, offset = self._columns[id(param)]
             self.write(self._buffers[index], param, offset, grad, id(param) in self._written)
             self._written.add(id(param))
-        if state.require_grad_sync and self._expected <= self._added:
+        if state.require_grad_sync and self.launch_when_complete and self._expected <= self._added:
             self._launch()
 
     def end_of_backward(self) -> None:

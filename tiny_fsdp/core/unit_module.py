@@ -22,12 +22,13 @@ Where every layer runs, the count is reached first and the module's events find 
 to do; where some did not, the events come at the point the count would have been reached on
 the other ranks, before any collective of another unit. A parameter that this rank did not use
 contributes zeros to the sums; which parameters receive the reduced gradient is decided in
-``PendingReductions.finalize`` ([Note: asynchronous reduction]). A module whose inputs need no
-gradient (token ids) has no backward event; its unit falls back to the end of the backward,
-which every rank reaches alike.
+``PendingReductions.finalize`` ([Note: asynchronous reduction]). A module none of whose inputs
+(tensors, also inside tuples, lists and dicts) needs a gradient has no backward event: its
+unit's sums are then launched at the end of the backward, which every rank reaches alike,
+not when its count completes.
 """
 
-from typing import Any, Callable, Dict, Tuple
+from typing import Any, Callable, Dict, List, Tuple
 
 import torch
 from torch import nn
@@ -62,20 +63,15 @@ def watch_unit_module(module: nn.Module, unit: FullUnit, grads: UnitGradients) -
     def before(_: nn.Module, args: Tuple, kwargs: Dict[str, Any]) -> Tuple[Tuple, Dict[str, Any]]:
         if not torch.is_grad_enabled():
             return args, kwargs
-        keys = [i for i, a in enumerate(args) if _needs_grad(a)]
-        names = [k for k, v in kwargs.items() if _needs_grad(v)]
-        if not keys and not names:
+        found: List[torch.Tensor] = []
+        _visit((args, kwargs), found.append)
+        # Without an input that needs a gradient there is no backward event: the unit's sums
+        # wait for the end of the backward on every rank, not for a count that is local.
+        grads.launch_when_complete = bool(found)
+        if not found:
             return args, kwargs
-        out = _BackwardDone.apply(
-            backward_done, *[args[i] for i in keys], *[kwargs[k] for k in names]
-        )
-        args, kwargs = list(args), dict(kwargs)
-        for i, tensor in zip(keys + names, out):
-            if isinstance(i, int):
-                args[i] = tensor
-            else:
-                kwargs[i] = tensor
-        return tuple(args), kwargs
+        done = iter(_BackwardDone.apply(backward_done, *found))
+        return _visit((args, kwargs), lambda _: next(done))
 
     def after(*_: Any) -> None:
         unit.module_done(TrainingPhase.FORWARD)
@@ -84,5 +80,13 @@ def watch_unit_module(module: nn.Module, unit: FullUnit, grads: UnitGradients) -
     module.register_forward_hook(after)
 
 
-def _needs_grad(value: Any) -> bool:
-    return isinstance(value, torch.Tensor) and value.requires_grad
+def _visit(value: Any, fn: Callable[[torch.Tensor], Any]) -> Any:
+    """``value`` with ``fn(t)`` in place of each tensor ``t`` that needs a gradient, inside
+    tuples, lists and dicts (in a fixed order)."""
+    if isinstance(value, torch.Tensor):
+        return fn(value) if value.requires_grad else value
+    if isinstance(value, (tuple, list)):
+        return type(value)(_visit(v, fn) for v in value)
+    if isinstance(value, dict):
+        return {k: _visit(v, fn) for k, v in value.items()}
+    return value
