@@ -274,6 +274,9 @@ def main(strategy: str, argv: Optional[List[str]] = None) -> List[float]:
     if written:
         print("trace written: " + ", ".join(written))
     if env.world_size > 1 and dist.is_initialized() and "RANK" in os.environ:
+        # Every rank done with its last collective before any closes its connections: a gloo
+        # rank whose peer closed first can abort at exit ("terminate called ...").
+        dist.barrier()
         dist.destroy_process_group()
     return losses
 

@@ -96,7 +96,7 @@ def test_example_matches_single_device(strategy, common, single_device_losses):
         assert abs(ours - ref) <= LOSS_ATOL, (strategy, losses, single_device_losses)
 
 
-def test_fsdp_hsdp_across_two_torchrun_nodes_of_two_ranks(common, single_device_losses):
+def test_fsdp_hsdp_across_two_torchrun_nodes_of_two_ranks(common, single_device_losses, tmp_path):
     """``--hsdp 2`` on two torchrun "nodes" of 2 ranks (each node one shard group, [Note: hybrid
     sharding]), 1 sequence per rank: the global batch of the single-device run. Two steps: the
     learning rate of the first step, and so the second loss, do not depend on ``--steps``. Only
@@ -104,18 +104,24 @@ def test_fsdp_hsdp_across_two_torchrun_nodes_of_two_ranks(common, single_device_
     port = str(_free_port())
     args = [*common[:3], "2", *common[4:], "--batch_size", "1", "--hsdp", "2"]  # --steps 2
     procs = []
-    for node in range(2):
+    # Output to files, not pipes: a node blocked writing to a full pipe that nobody reads
+    # (we wait for the other node first) would never reach the launchers' exit barrier.
+    logs = [(tmp_path / f"node{n}.out", tmp_path / f"node{n}.err") for n in range(2)]
+    for node, (out, err) in enumerate(logs):
         launcher = [sys.executable, "-m", "torch.distributed.run", "--nnodes=2",
                     "--nproc_per_node=2", f"--node_rank={node}", "--master_addr=127.0.0.1",
                     f"--master_port={port}"]  # fmt: skip
         env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=ROOT)
-        procs.append(
-            subprocess.Popen(
-                [*launcher, "example/fsdp/train.py", *args], cwd=ROOT, env=env,
-                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-            )  # fmt: skip
-        )
-    outs = [p.communicate(timeout=180) for p in procs]
+        with open(out, "w") as stdout, open(err, "w") as stderr:
+            procs.append(
+                subprocess.Popen(
+                    [*launcher, "example/fsdp/train.py", *args], cwd=ROOT, env=env,
+                    stdout=stdout, stderr=stderr, text=True,
+                )  # fmt: skip
+            )
+    for p in procs:
+        p.wait(timeout=180)
+    outs = [(out.read_text(), err.read_text()) for out, err in logs]
     for p, (_, err) in zip(procs, outs):
         assert p.returncode == 0, err[-3000:]
     losses = _losses(outs[0][0])  # node 0 hosts global rank 0
