@@ -171,10 +171,13 @@ def _batch(step: int, rank: int, world_size: int) -> Tuple[torch.Tensor, torch.T
     return local_slice(x, rank, world_size), local_slice(y, rank, world_size)
 
 
-def _train(model: nn.Module, optimizer, loss_fn: Loss, rank: int, world_size: int) -> List[float]:
+def _train(
+    model: nn.Module, optimizer, loss_fn: Loss, rank: int, world_size: int, batch=None
+) -> List[float]:
+    """STEPS steps on ``batch(step, rank, world_size)`` (default ``_batch``); local losses."""
     losses = []
     for step in range(STEPS):
-        x, y = _batch(step, rank, world_size)
+        x, y = (batch or _batch)(step, rank, world_size)
         loss = loss_fn(model, x, y)
         loss.backward()
         optimizer.step()
@@ -298,7 +301,7 @@ class MoELM(nn.Module):
         return ReaderOutput(logits=self.head(h))
 
 
-def _moe_batch(step: int, rank: int) -> Tuple[torch.Tensor, torch.Tensor]:
+def _moe_batch(step: int, rank: int, world_size: int) -> Tuple[torch.Tensor, torch.Tensor]:
     """Rank 0's tokens pick experts 0, 1 and 2; rank 1's only 0 and 1."""
     g = torch.Generator().manual_seed(100 * step + rank)
     x = (
@@ -306,18 +309,6 @@ def _moe_batch(step: int, rank: int) -> Tuple[torch.Tensor, torch.Tensor]:
         + torch.tensor([0, 1, 2])[torch.randint(0, 3 - rank, (2, SEQ_LEN), generator=g)]
     )
     return x, torch.randint(0, VOCAB, (2, SEQ_LEN), generator=g)
-
-
-def _moe_train(model: nn.Module, optimizer: Any, rank: int) -> List[float]:
-    losses = []
-    for step in range(STEPS):
-        x, y = _moe_batch(step, rank)
-        loss = _zoo_loss(model, x, y)
-        loss.backward()
-        optimizer.step()
-        optimizer.zero_grad()
-        losses.append(loss.item())
-    return losses
 
 
 def _moe_worker(rank: int, world_size: int) -> List[str]:
@@ -334,7 +325,7 @@ def _moe_worker(rank: int, world_size: int) -> List[str]:
         model = MoELM(n_experts, n_blocks, dict_input)
         ddp = nn.parallel.DistributedDataParallel(model, find_unused_parameters=True)
         optimizer = torch.optim.AdamW(ddp.parameters(), lr=LR, weight_decay=0.1)
-        ref_losses = _moe_train(ddp, optimizer, rank)
+        ref_losses = _train(ddp, optimizer, _zoo_loss, rank, world_size, _moe_batch)
         ref_state = model.state_dict()
         for strategy in ("fsdp", "zero3"):
             for async_comm in (True, False):
@@ -344,7 +335,7 @@ def _moe_worker(rank: int, world_size: int) -> List[str]:
                 wrapped, optimizer = _wrap(strategy, ours, world_size, async_comm, **kw)
                 for group in optimizer.param_groups:
                     group["weight_decay"] = 0.1  # steps a parameter whose gradient is zero
-                losses = _moe_train(wrapped, optimizer, rank)
+                losses = _train(wrapped, optimizer, _zoo_loss, rank, world_size, _moe_batch)
                 what = f"moe {n_experts} x {n_blocks} dict={dict_input} {strategy} {async_comm}"
                 _compare(what, losses, wrapped.state_dict(), ref_losses, ref_state)
                 seen.append(what)
