@@ -44,7 +44,7 @@ The state (FSDP's ``FSDPState``, ZeRO-3's ``Zero3Runtime``) provides ``world_siz
 ``reductions`` (``PendingReductions``).
 """
 
-from typing import Any, Dict, List, Optional, Sequence, Set, Tuple
+from typing import Any, Dict, FrozenSet, List, Optional, Sequence, Set, Tuple
 
 import torch
 from torch import nn
@@ -179,7 +179,8 @@ class UnitGradients:
                 offset += self.numel_in_group(param)
             buffer = buffer.to(state.reduce_dtype(group[0].dtype))  # a no_sync fp32 sum: cast
             buffer.div_(state.grad_divisor)  # SUM of grad / N == average, on every backend
-            self.reduce_group(group, buffer, [id(p) in written for p in group])
+            unused = frozenset(id(p) for p in group if id(p) not in written)
+            self.reduce_group(group, buffer, unused)
 
     # ---------------------------------------------------------------- the strategy's part
     def group_key(self, param: nn.Parameter) -> object:
@@ -206,10 +207,10 @@ class UnitGradients:
         raise NotImplementedError
 
     def reduce_group(
-        self, group: List[nn.Parameter], buffer: torch.Tensor, written: List[bool]
+        self, group: List[nn.Parameter], buffer: torch.Tensor, unused: FrozenSet[int]
     ) -> None:
         """Launch the reduction of the averaged ``buffer``, with a part for every parameter
-        this rank holds a share of; ``written``: which of them this rank gave a gradient."""
+        this rank holds a share of; ``unused``: ids of those this rank gave no gradient."""
         raise NotImplementedError
 
 

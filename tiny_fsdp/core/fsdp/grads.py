@@ -6,7 +6,7 @@ padding rows zero). A reduce-scatter leaves row ``rank`` summed on this rank: it
 gradients, concatenated ([Note: unit reduction]).
 """
 
-from typing import List, Optional
+from typing import FrozenSet, List, Optional
 
 import torch
 from torch import nn
@@ -43,7 +43,7 @@ class ReduceScatterGrads(UnitGradients):
             info.copy_in(grad, columns, accumulate)
 
     def reduce_group(
-        self, group: List[nn.Parameter], buffer: torch.Tensor, written: List[bool]
+        self, group: List[nn.Parameter], buffer: torch.Tensor, unused: FrozenSet[int]
     ) -> None:
         reduced = buffer.new_empty(buffer.numel() // self.state.world_size)  # this rank's row
         parts, offset = [], 0
@@ -53,5 +53,4 @@ class ReduceScatterGrads(UnitGradients):
                 (param, reduced[offset : offset + info.shard_numel].view(info.shard_shape))
             )
             offset += info.shard_numel
-        unused = frozenset(id(p) for p, w in zip(group, written) if not w)
         self.state.launch_reduce_scatter(reduced, buffer, parts, unused)

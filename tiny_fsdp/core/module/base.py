@@ -134,8 +134,10 @@ class CallbackModule(nn.Module):
     @classmethod
     def implements(cls, module: nn.Module) -> bool:
         """Whether this wrapper computes what ``module`` (an instance of the torch class it
-        replaces) computes; ``convert_module`` leaves any other to the generic path."""
-        return True
+        replaces) computes; ``convert_module`` leaves any other to the generic path. Not when
+        a parameter is computed rather than held (``nn.utils.weight_norm`` makes ``weight`` a
+        tensor that a forward pre-hook derives from ``weight_g`` / ``weight_v``)."""
+        return all(name in module._parameters for name in cls.param_names)
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)

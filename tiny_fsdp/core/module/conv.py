@@ -30,11 +30,12 @@ class _ConvCallback(CallbackModule):
 
     @classmethod
     def implements(cls, module: nn.Module) -> bool:
-        return module.padding_mode == "zeros"  # other modes: the generic path
+        return super().implements(module) and module.padding_mode == "zeros"
 
     def check_supported(self) -> None:
-        """Only zero padding is implemented; other modes need their own padding backward."""
-        if self.padding_mode != "zeros":
+        """Only zero padding is implemented; other modes need their own padding backward
+        (``convert_module`` leaves them to the generic path)."""
+        if not self.implements(self):
             raise NotImplementedError(
                 f"tiny_fsdp {type(self).__name__} supports padding_mode='zeros' only (got "
                 f"'{self.padding_mode}'); pad the input with F.pad before the layer instead."

@@ -44,12 +44,7 @@ def convert_module(model: nn.Module) -> nn.Module:
         if isinstance(module, CallbackModule):
             continue
         wrapper = WRAPPERS.get(type(module))
-        # A layer whose parameter is computed, not held (``nn.utils.weight_norm`` makes
-        # ``weight`` a tensor that a forward pre-hook derives from ``weight_g`` / ``weight_v``),
-        # is not the layer the wrapper implements: it takes the generic path.
-        # A convolution padding other than with zeros takes it too.
-        held = wrapper is not None and all(n in module._parameters for n in wrapper.param_names)
-        if held and wrapper.implements(module):
+        if wrapper is not None and wrapper.implements(module):  # else: the generic path
             module.__class__ = wrapper
             check = getattr(module, "check_supported", None)
             if check is not None:

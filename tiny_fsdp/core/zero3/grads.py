@@ -6,7 +6,7 @@ SUM-reduce to the owner leaves the average there; the owner's parts are views of
 match.
 """
 
-from typing import List, Optional
+from typing import FrozenSet, List, Optional
 
 import torch
 from torch import nn
@@ -44,7 +44,7 @@ class ReduceToOwnerGrads(UnitGradients):
             region.copy_(grad.reshape(-1))
 
     def reduce_group(
-        self, group: List[nn.Parameter], buffer: torch.Tensor, written: List[bool]
+        self, group: List[nn.Parameter], buffer: torch.Tensor, unused: FrozenSet[int]
     ) -> None:
         owner = getattr(group[0], ATTR).owner
         parts, offset = [], 0
@@ -53,5 +53,4 @@ class ReduceToOwnerGrads(UnitGradients):
             if owner == self.state.rank:
                 parts.append((param, buffer[offset : offset + shape.numel()].view(shape)))
             offset += shape.numel()
-        unused = frozenset(id(p) for p, w in zip(group, written) if not w)
         self.state.launch_reduce(buffer, owner, parts, unused)
