@@ -12,6 +12,7 @@ lines, never carriage-return frames.
 
 import argparse
 import contextlib
+import gc
 import math
 import os
 import resource
@@ -274,8 +275,12 @@ def main(strategy: str, argv: Optional[List[str]] = None) -> List[float]:
     if written:
         print("trace written: " + ", ".join(written))
     if env.world_size > 1 and dist.is_initialized() and "RANK" in os.environ:
-        # Every rank done with its last collective before any closes its connections: a gloo
-        # rank whose peer closed first can abort at exit ("terminate called ...").
+        # A gloo rank sometimes aborted at exit ("terminate called without an active
+        # exception"): tensors that collectives kept referenced were freed while the
+        # interpreter shut down. Free the model, optimizer and anything they hold now, then
+        # leave together.
+        del model, optimizer, batches
+        gc.collect()
         dist.barrier()
         dist.destroy_process_group()
     return losses
