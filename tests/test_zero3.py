@@ -350,6 +350,12 @@ def _init_and_state_dict(rank: int, world_size: int) -> None:
         with pytest.raises(RuntimeError, match="size mismatch for lm_head.weight"):
             model.load_state_dict(rank0)
 
+    # No table: the one zero3_partition_tensors makes for the model and the process group.
+    default = Zero3(make_model(5))
+    expected_table = zero3_partition_tensors(make_model(5).named_parameters())[0]
+    assert dict(default.param_part_table) == dict(expected_table)
+    assert all(torch.equal(t, expected[k]) for k, t in default.state_dict().items())
+
 
 @pytest.mark.parametrize("world_size", [2, 3])
 def test_meta_init_and_state_dict_round_trip(world_size: int) -> None:

@@ -29,7 +29,7 @@ class _Zero3Params:
         self,
         params: Any,
         *args: Any,
-        param_part_table: Mapping[str, int],
+        param_part_table: Optional[Mapping[str, int]] = None,
         ranks_map: Optional[Sequence[str]] = None,
         **kwargs: Any,
     ) -> None:
@@ -64,7 +64,7 @@ class _Zero3Params:
                     "another strategy's); wrap the model first, model = Zero3(model, parts), "
                     "and pass model.module.named_parameters()"
                 )
-            if self._table.get(info.name) != info.owner:
+            if self._table is not None and self._table.get(info.name) != info.owner:
                 raise ValueError(
                     f"{what}: parameter '{info.name}' is owned by rank {info.owner} in the "
                     f"model but by {self._table.get(info.name)} in param_part_table; pass the "
@@ -80,10 +80,11 @@ class _Zero3Params:
 
 
 class Zero3AdamW(_Zero3Params, AdamW):
-    """``AdamW`` for a ``Zero3`` model: ``Zero3AdamW(model.module.named_parameters(), lr=...,
-    param_part_table=parts, ranks_map=None)``; other arguments as ``AdamW``."""
+    """``AdamW`` for a ``Zero3`` model: ``Zero3AdamW(model.named_parameters(), lr=...)``;
+    other arguments as ``AdamW``. ``param_part_table`` / ``ranks_map`` (optional): the ones
+    the model was wrapped with, checked against the parameters' owners."""
 
 
 class Zero3SGD(_Zero3Params, SGD):
-    """``SGD`` for a ``Zero3`` model: ``Zero3SGD(model.module.named_parameters(), lr=...,
-    param_part_table=parts, ranks_map=None)``; other arguments as ``SGD``."""
+    """``SGD`` for a ``Zero3`` model: ``Zero3SGD(model.named_parameters(), lr=...)``; other
+    arguments as ``SGD``. ``param_part_table`` / ``ranks_map`` as ``Zero3AdamW``."""

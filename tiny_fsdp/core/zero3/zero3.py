@@ -32,6 +32,7 @@ from tiny_fsdp.core.precision import MixedPrecisionPolicy
 from tiny_fsdp.core.reductions import ReduceStats
 from tiny_fsdp.core.unit_layout import UnitSpec
 from tiny_fsdp.core.zero3.grads import ReduceToOwnerGrads
+from tiny_fsdp.core.zero3.partition import zero3_partition_tensors
 from tiny_fsdp.core.zero3.unit import BroadcastUnit
 from tiny_fsdp.core.zero3.runtime import ATTR, FetchStats, TensorInfo, Zero3Runtime
 
@@ -47,7 +48,9 @@ class Zero3(FetchingWrapper):
             by the model's own initialisation ([Note: meta buffers]).
         param_part_table: name -> owner rank for every ``module.named_parameters()`` name, as
             returned by ``zero3_partition_tensors``; its ``ranks_map`` device (if given) is
-            where this rank's tensors live.
+            where this rank's tensors live. Omitted: ``zero3_partition_tensors(
+            module.named_parameters())`` (contiguous runs of tensors, as FSDP needs no table);
+            read it back as ``self.param_part_table``.
         enable_async_communication: prefetch the next layers' broadcasts ([Note: prefetch]) and
             leave gradient reduces in flight while backward goes on ([Note: asynchronous
             reduction]); on by default, also settable as an attribute (read at each forward).
@@ -73,7 +76,7 @@ class Zero3(FetchingWrapper):
     def __init__(
         self,
         module: nn.Module,
-        param_part_table: Mapping[str, int],
+        param_part_table: Optional[Mapping[str, int]] = None,
         enable_async_communication: bool = True,
         *,
         prefetch_limit: int = 2,
@@ -94,6 +97,8 @@ class Zero3(FetchingWrapper):
         rank, world_size = dist.get_rank(), dist.get_world_size()
         self._runtime = Zero3Runtime(rank, world_size, prefetch_limit, mixed_precision)
         named = list(self.module.named_parameters())  # tied parameters appear once
+        if param_part_table is None:
+            param_part_table = zero3_partition_tensors(named)[0]
         check_table(param_part_table, named, world_size, "Zero3", _aliases(self.module))
         tables = comm.all_gather_object(sorted(param_part_table.items()))
         differ = [r for r, table in enumerate(tables) if table != tables[0]]
