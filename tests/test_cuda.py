@@ -107,3 +107,23 @@ def test_adamw_launches_a_few_kernels_per_batch_on_cuda() -> None:
     assert 0 < len(kernels) < len(params), len(kernels)  # per tensor it would be ~8 each
     for p, r in zip(params, ref):
         torch.testing.assert_close(p, r, atol=1e-6, rtol=0)
+
+
+def _ddp_takes_torch_device_ids(rank: int, world_size: int) -> None:
+    from tiny_fsdp.core.ddp import DDP
+
+    device = torch.device("cuda", 0)
+    reference = make_model(0).to(device)
+    model = DDP(copy.deepcopy(reference), device_ids=[0], output_device=0)
+    x, y = global_batch(0, 2, 8, reference.config.vocab_size)  # on the CPU
+    logits = model(x)  # moved to device_ids[0], as torch's DDP does
+    assert logits.device == device
+    torch.testing.assert_close(logits, reference(x.to(device)), rtol=0, atol=0)
+    lm_loss(logits, y.to(device)).backward()
+    assert all(p.grad is not None and p.grad.device == device for p in model.parameters())
+
+
+def test_ddp_takes_torch_device_ids_and_moves_inputs() -> None:
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    run_distributed(_ddp_takes_torch_device_ids, 1, backend="nccl")

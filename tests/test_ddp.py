@@ -465,6 +465,13 @@ def _api_worker(rank: int, world_size: int) -> None:
         DDP(model.module)
     with pytest.raises(ValueError, match="bucket_cap_mb"):
         DDP(make_model(), bucket_cap_mb=0)
+    # torch DDP's keywords: device_ids name the GPU the module is on (refused for a CPU module,
+    # as by torch); unused parameters are always found, so find_unused_parameters is accepted.
+    with pytest.raises(ValueError, match=r"parameters are on \['cpu'\].*leave device_ids out"):
+        DDP(make_model(), device_ids=[rank], output_device=rank)
+    with pytest.raises(ValueError, match="device_ids is a keyword here"):
+        DDP(make_model(), [rank])
+    DDP(make_model(), find_unused_parameters=True, broadcast_buffers=False)
     torch.manual_seed(0)
     mismatched = nn.Linear(3, 2 + rank)
     if world_size > 1:

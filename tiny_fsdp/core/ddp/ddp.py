@@ -21,7 +21,7 @@ DDP, a backward after a synchronised one (no ``zero_grad`` between) adds onto th
 precision: [Note: DDP mixed precision].
 """
 
-from typing import Any, Dict, List, Mapping, Optional, Sequence
+from typing import Any, Dict, List, Mapping, Optional, Sequence, Union
 
 import torch
 import torch.distributed as dist
@@ -56,6 +56,11 @@ class DDP(ReplicatedWrapper):
             ``param.grad`` stays fp32 ([Note: DDP mixed precision]).
         broadcast_buffers: rank 0's buffers before each forward, as torch's DDP ([Note:
             replicated strategies]).
+        device_ids, output_device: as torch's DDP for a module on one GPU: ``[d]``, the device
+            the module is on; inputs (tensors inside tuples, lists, dicts) move there before
+            forward. Refused for a CPU module, as torch does.
+        find_unused_parameters: accepted so torch DDP code runs unchanged; parameters a forward
+            did not use are always found (the module docstring), ``True`` or not.
 
     ``state_dict()`` / ``load_state_dict()`` use the plain model's keys (no ``module.`` prefix).
     """
@@ -67,10 +72,19 @@ class DDP(ReplicatedWrapper):
         enable_async_communication: bool = True,
         mixed_precision: Optional[MixedPrecisionPolicy] = None,
         broadcast_buffers: bool = True,
+        *,
+        device_ids: Optional[Sequence[Union[int, torch.device]]] = None,
+        output_device: Optional[Union[int, torch.device]] = None,
+        find_unused_parameters: bool = True,
     ) -> None:
+        if not isinstance(bucket_cap_mb, (int, float)) or not bucket_cap_mb > 0:
+            raise ValueError(
+                f"bucket_cap_mb must be a positive number, got {bucket_cap_mb!r} (torch DDP's "
+                "device_ids is a keyword here: DDP(model, device_ids=[rank]))"
+            )
+        input_device = _input_device(list(module.parameters()), device_ids, output_device)
         super().__init__(module, enable_async_communication, mixed_precision, broadcast_buffers)
-        if not bucket_cap_mb > 0:
-            raise ValueError(f"bucket_cap_mb must be positive, got {bucket_cap_mb}")
+        self.input_device = input_device
         params = list(self.module.parameters())  # deduplicated: a tied parameter appears once
         _broadcast_from_rank0(self.module)
 
@@ -94,6 +108,8 @@ class DDP(ReplicatedWrapper):
         return {"buffers": [bucket.buffer for bucket in self.buckets]}
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
+        if self.input_device is not None:
+            args, kwargs = _move_tensors((args, kwargs), self.input_device)
         if self._cast is None:
             return super().forward(*args, **kwargs)
         self._cast.to_compute()  # until the end of backward ([Note: DDP mixed precision])
@@ -117,6 +133,46 @@ class DDP(ReplicatedWrapper):
         if self._cast is not None:
             self._cast.to_master()  # load into the masters, not into the compute copies
         return super().load_state_dict(state_dict, strict, assign)
+
+
+def _input_device(
+    params: List[nn.Parameter],
+    device_ids: Optional[Sequence[Union[int, torch.device]]],
+    output_device: Optional[Union[int, torch.device]],
+) -> Optional[torch.device]:
+    """The GPU that torch DDP's ``device_ids`` / ``output_device`` name, checked; else None."""
+    if not device_ids and output_device is None:
+        return None
+    named = [_as_device(d) for d in device_ids or []]
+    devices = {p.device for p in params}
+    if len(named) != 1 or named[0].type != "cuda" or devices != {named[0]}:
+        raise ValueError(
+            f"DDP: device_ids={list(device_ids or [])} (output_device={output_device}) work only "
+            f"for a module on the one GPU they name; the parameters are on "
+            f"{sorted(map(str, devices))}. Move the module there first (model.to(device)), or "
+            "leave device_ids out for a CPU module, as with torch's DDP"
+        )
+    if output_device is not None and _as_device(output_device) != named[0]:
+        raise ValueError(f"DDP: output_device={output_device} is not device_ids[0]={named[0]}")
+    return named[0]
+
+
+def _as_device(device: Union[int, str, torch.device]) -> torch.device:
+    """``torch.device`` of an index (a GPU, as torch DDP reads it), a string or a device."""
+    return torch.device("cuda", device) if isinstance(device, int) else torch.device(device)
+
+
+def _move_tensors(obj: Any, device: torch.device) -> Any:
+    """``obj`` with every tensor in its tuples, lists and dicts moved to ``device``."""
+    if isinstance(obj, torch.Tensor):
+        return obj.to(device, non_blocking=True)
+    if isinstance(obj, tuple) and hasattr(obj, "_fields"):  # a namedtuple
+        return type(obj)(*(_move_tensors(v, device) for v in obj))
+    if isinstance(obj, (tuple, list)):
+        return type(obj)(_move_tensors(v, device) for v in obj)
+    if isinstance(obj, dict):
+        return type(obj)((k, _move_tensors(v, device)) for k, v in obj.items())
+    return obj
 
 
 @torch.no_grad()
