@@ -2,7 +2,8 @@
 
 A wrapper holds the user's model as ``self.module`` (converted in place to tiny_fsdp layers if
 the strategy's class declares ``converts_layers``; DDP and ZeRO-1/2 take it as it is), forwards
-calls to it, and exposes the switches users know from PyTorch DDP / FSDP:
+calls and the attributes it lacks (``model.generate``) to it, and exposes the switches users
+know from PyTorch DDP / FSDP:
 
 - ``require_backward_grad_sync`` (bool, default True) and the ``no_sync()`` context: while
   False, backward accumulates gradients locally and communicates nothing; the next synchronised
@@ -125,6 +126,19 @@ class DataParallelWrapper(nn.Module):
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         return self.module(*args, **kwargs)
+
+    def __getattr__(self, name: str) -> Any:
+        """An attribute the wrapper lacks is the model's (``model.config``,
+        ``model.generate(...)``), as with torch's FSDP; the wrapper's own come first. A method
+        of the model that calls the model trains as a call through the wrapper does (the hooks
+        are on the model's layers and parameters)."""
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            module = self.__dict__.get("_modules", {}).get("module")
+            if module is None:
+                raise
+            return getattr(module, name)
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:

@@ -1,0 +1,99 @@
+"""A wrapper lends the model's own attributes and methods: ``model.config``, ``model.generate``.
+
+What the wrapper lacks is looked up on the model it holds (as with torch's FSDP), so code written
+for the plain model (HF ``generate``, a ``loss`` method) runs on the wrapper. Such a method calls
+the inner model, not the wrapper; it still trains like ``torch.nn.parallel.DistributedDataParallel``
++ ``torch.optim.SGD`` (the oracle), because the hooks are on the model's layers and parameters.
+"""
+
+import copy
+from typing import Dict
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from tests.build import build, sgd
+from tests.harness import run_distributed
+from tests.parity import PARAM_ATOL
+
+STRATEGIES = ("ddp", "zero1", "zero2", "zero3", "fsdp")
+VOCAB, WIDTH, STEPS = 16, 12, 3
+# SGD steps are lr x gradient: strategies differ from the oracle by float32 summation order
+# (parity.py), ~1e-7 on the loss.
+LOSS_ATOL = 1e-6
+
+
+class Decoder(nn.Module):
+    """A tiny language model with the methods user code calls on it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.config = {"vocab_size": VOCAB}
+        self.embed = nn.Embedding(VOCAB, WIDTH)
+        self.blocks = nn.ModuleList(nn.Sequential(nn.LayerNorm(WIDTH), nn.Linear(WIDTH, WIDTH))
+                                    for _ in range(2))  # fmt: skip
+        self.head = nn.Linear(WIDTH, VOCAB)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:  # (B, T) -> (B, T, VOCAB)
+        h = self.embed(idx)
+        for block in self.blocks:
+            h = h + torch.tanh(block(h))
+        return self.head(h)
+
+    def loss(self, idx: torch.Tensor) -> torch.Tensor:
+        logits = self(idx[:, :-1])
+        return F.cross_entropy(logits.reshape(-1, VOCAB), idx[:, 1:].reshape(-1))
+
+    @torch.no_grad()
+    def generate(self, idx: torch.Tensor, new_tokens: int) -> torch.Tensor:
+        for _ in range(new_tokens):
+            idx = torch.cat([idx, self(idx)[:, -1:].argmax(-1)], dim=1)
+        return idx
+
+
+def _batch(step: int, rank: int) -> torch.Tensor:
+    return torch.randint(VOCAB, (3, 7), generator=torch.Generator().manual_seed(10 * step + rank))
+
+
+def _methods_worker(rank: int, world_size: int) -> Dict[str, float]:
+    torch.manual_seed(0)
+    plain = Decoder()
+    prompt = _batch(-1, 0)
+    oracle = nn.parallel.DistributedDataParallel(copy.deepcopy(plain))
+    oracle_opt = torch.optim.SGD(oracle.parameters(), lr=0.5)
+    oracle_losses = []
+    for step in range(STEPS):
+        idx = _batch(step, rank)
+        logits = oracle(idx[:, :-1])
+        loss = F.cross_entropy(logits.reshape(-1, VOCAB), idx[:, 1:].reshape(-1))
+        loss.backward()
+        oracle_opt.step()
+        oracle_opt.zero_grad()
+        oracle_losses.append(loss.item())
+
+    gaps = {}
+    for strategy in STRATEGIES:
+        model, opt = build(strategy, copy.deepcopy(plain), sgd(lr=0.5))
+        assert model.config is model.module.config  # an attribute of the model
+        assert torch.equal(model.generate(prompt, 4), plain.generate(prompt, 4))
+        with pytest.raises(AttributeError, match="no_such_thing"):
+            model.no_such_thing
+        losses = []
+        for step in range(STEPS):
+            loss = model.loss(_batch(step, rank))  # the model's method: calls the inner model
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            losses.append(loss.item())
+        gap = max(abs(a - b) for a, b in zip(losses, oracle_losses))
+        assert gap <= LOSS_ATOL, (strategy, losses, oracle_losses)
+        state, want = model.state_dict(), oracle.module.state_dict()
+        gaps[strategy] = max((state[k] - v).abs().max().item() for k, v in want.items())
+        assert gaps[strategy] <= PARAM_ATOL, (strategy, gaps[strategy])
+    return gaps
+
+
+def test_the_models_methods_run_on_the_wrapper_and_train_as_torch_ddp() -> None:
+    run_distributed(_methods_worker, 2)
