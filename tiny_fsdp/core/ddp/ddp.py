@@ -21,6 +21,7 @@ DDP, a backward after a synchronised one (no ``zero_grad`` between) adds onto th
 precision: [Note: DDP mixed precision].
 """
 
+import copy
 from typing import Any, Dict, List, Mapping, Optional, Sequence, Union
 
 import torch
@@ -171,7 +172,10 @@ def _move_tensors(obj: Any, device: torch.device) -> Any:
     if isinstance(obj, (tuple, list)):
         return type(obj)(_move_tensors(v, device) for v in obj)
     if isinstance(obj, dict):
-        return type(obj)((k, _move_tensors(v, device)) for k, v in obj.items())
+        moved = copy.copy(obj)  # the same mapping type (OrderedDict, defaultdict, ...)
+        for key, value in obj.items():
+            moved[key] = _move_tensors(value, device)
+        return moved
     return obj
 
 

@@ -61,8 +61,8 @@ class _Zero3Params:
             if info is None:
                 raise ValueError(
                     f"{what}: parameter '{name}' is not managed by Zero3 (a plain model, or "
-                    "another strategy's); wrap the model first, model = Zero3(model, parts), "
-                    "and pass model.module.named_parameters()"
+                    "another strategy's); wrap the model first, model = Zero3(model), and pass "
+                    "model.named_parameters()"
                 )
             if self._table is not None and self._table.get(info.name) != info.owner:
                 raise ValueError(
