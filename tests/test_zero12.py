@@ -606,23 +606,21 @@ def _errors_worker(rank: int, world_size: int) -> None:
         )
     x, y = (local_slice(t, rank, world_size) for t in _xy(0, 2 * world_size))
     lm_loss(model(x), y).backward()
-    with pytest.raises(RuntimeError, match="already reduced.* No Zero1 optimizer stepped"):
-        lm_loss(model(x), y).backward()  # two synchronised backwards: not how to accumulate
+    with pytest.raises(RuntimeError, match=r"already reduced\. A backward before the step adds"):
+        lm_loss(model.module(x), y).backward()  # again, but not from the wrapper's output
     optimizer.step()
     with pytest.raises(
-        RuntimeError, match=r"already reduced.*zero_grad\(\).* after optimizer\.step"
+        RuntimeError, match=r"already reduced\. Call optimizer\.zero_grad\(\).* after optimizer"
     ):
         lm_loss(model(x), y).backward()  # forgot zero_grad after the step
-    # A torch.optim optimizer cannot train a ZeRO model (ZeRO-2 leaves every .grad None): it
-    # fails at the next backward, naming the optimizers that can.
+    # A torch.optim optimizer cannot train a ZeRO model (ZeRO-2 leaves every .grad None): its
+    # step raises, naming the optimizers that can.
     zero2 = Zero2(make_model(0))
     torch_optimizer = torch.optim.AdamW(zero2.parameters(), lr=ADAM_LR)
     lm_loss(zero2(x), y).backward()
     assert all(p.grad is None for p in zero2.parameters())
-    torch_optimizer.step()
-    torch_optimizer.zero_grad()
-    with pytest.raises(RuntimeError, match="Zero2AdamW, Zero2SGD .* not a torch.optim one"):
-        lm_loss(zero2(x), y).backward()
+    with pytest.raises(RuntimeError, match="AdamW steps parameters of a Zero2 model.*Zero2SGD"):
+        torch_optimizer.step()
 
 
 def test_misuse_raises_clear_errors() -> None:
@@ -686,6 +684,66 @@ def _unused_worker(rank: int, world_size: int) -> List[str]:
             assert torch.equal(ours, start), f"{strategy}: an unused parameter was stepped"
         seen.append(strategy)
     return seen
+
+
+def _backward_again_worker(rank: int, world_size: int) -> List[str]:
+    """Several backwards before one step, as torch's DDP adds them up ([Note: backward again
+    before the step]): ``branch`` used by rank 0 in the first backward only; ``never`` never."""
+    uses = [lambda r: r == 0, lambda r: False, lambda r: True]  # branch, per backward
+    schedules = {  # per step: which backwards run, in order (index, synchronised?)
+        "two backwards": [(0, True), (1, True)],
+        "sync, no_sync, sync": [(0, True), (1, False), (2, True)],
+        "two forwards, then their backwards": [(0, True), (1, True)],
+    }
+    seen = []
+    for strategy, async_comm in (("zero1", True), ("zero2", False), ("zero2", True)):
+        for what, schedule in schedules.items():
+            torch.manual_seed(0)
+            reference = BranchyNet()
+            initial = copy.deepcopy(reference)
+            hyper = dict(lr=0.01, weight_decay=0.5)
+            ref_optimizer = torch.optim.AdamW(reference.parameters(), **hyper)
+            model, optimizer = build(  # 104-byte buckets: every Linear weight alone
+                strategy, copy.deepcopy(reference), adamw(**hyper), bucket_cap_mb=0.0001,
+                enable_async_communication=async_comm,
+            )  # fmt: skip
+            gen = torch.Generator().manual_seed(1)
+            for _ in range(2):
+                data = [  # per backward, per rank: (x (4, 6), y (4, 3))
+                    [(torch.randn(4, 6, generator=gen), torch.randn(4, 3, generator=gen))
+                     for _ in range(world_size)]
+                    for _ in range(3)
+                ]  # fmt: skip
+                for i, _ in schedule:  # one device: the sum over backwards of the ranks' mean
+                    for r, (x, y) in enumerate(data[i]):
+                        (F.mse_loss(reference(x, uses[i](r)), y) / world_size).backward()
+                ref_optimizer.step()
+                ref_optimizer.zero_grad()
+
+                def loss(i: int) -> torch.Tensor:
+                    x, y = data[i][rank]
+                    return F.mse_loss(model(x, uses[i](rank)), y)
+
+                if what.startswith("two forwards"):
+                    for pending in [loss(i) for i, _ in schedule]:
+                        pending.backward()
+                for i, sync in [] if what.startswith("two forwards") else schedule:
+                    with contextlib.nullcontext() if sync else model.no_sync():
+                        loss(i).backward()
+                optimizer.step()
+                optimizer.zero_grad()
+            case = f"rank {rank} {strategy} async={async_comm} {what}"
+            for (name, ours), ref in zip(model.module.named_parameters(), reference.parameters()):
+                gap = (ours - ref).abs().max().item()
+                assert gap <= PARAM_ATOL, f"{case}: {name} differs by {gap:.2e}"
+            for ours, start in zip(model.module.never.parameters(), initial.never.parameters()):
+                assert torch.equal(ours, start), f"{case}: an unused parameter was stepped"
+            seen.append(case)
+    return seen
+
+
+def test_a_backward_again_before_the_step_adds_on_as_in_torch_ddp() -> None:
+    assert len(run_distributed(_backward_again_worker, 2)[0]) == 9
 
 
 def test_parameters_no_rank_used_are_not_stepped() -> None:

@@ -22,9 +22,19 @@ flat layout ([Note: ZeRO flat layout]) and differ only in the store they plug in
   is kept.
 
 Both stores give the optimizer the reduced gradient of each owned piece (``reduced_grad``) and
-clear gradients for it (``zero_grad``). The reduction leaves nothing to accumulate onto, so a
-backward on reduced gradients (no ``zero_grad`` since the last synchronised backward) raises
-instead of silently summing garbage.
+clear gradients for it (``zero_grad``).
+
+[Note: backward again before the step]
+torch's DDP adds a second backward's averaged gradient onto the first (a GAN's discriminator:
+``loss_real.backward(); loss_fake.backward(); opt.step()``). Here the reduction leaves only this
+rank's chunks meaningful, nothing a new backward could accumulate onto. So a backward through
+the wrapper's output (a hook on it runs before any parameter's gradient) on reduced gradients no
+optimizer stepped on first sets them aside (``set_aside``; ``_carry``: this rank's chunks, 1/N
+of the gradients) and clears the gradients, and each bucket's reduction adds its carried chunk
+when it finishes; a ``no_sync`` backward in between accumulates locally as usual and the next
+synchronised one reduces the local total. A parameter is then without gradient only if it had
+none in every backward. A backward on gradients an optimizer already stepped on (no
+``zero_grad`` after the step), or one that bypassed the wrapper's output, raises instead.
 
 A parameter unused in a rank's forward contributes zeros, so the average is right when another
 rank used it. When NO rank had a gradient for it (a branch no rank took, a module never
@@ -98,23 +108,33 @@ class ZeroGradStore(ABC):
         self.without_grad: FrozenSet[int] = frozenset()
         self._has_grad = [False] * len(self.params)  # this backward, on this rank
         self._pending: Dict[int, PendingReduce] = {}  # bucket -> reduction in flight
+        # Set aside by a backward before the step: chunk per bucket, and its without_grad.
+        self._carry: Optional[List[torch.Tensor]] = None
+        self._carry_without: FrozenSet[int] = frozenset()
+
+    def set_aside(self) -> None:
+        """Before a backward through the model's output: reduced gradients no optimizer stepped
+        on are carried into it ([Note: backward again before the step])."""
+        if not self.reduced or self.stepped:
+            return  # nothing to carry; or ``begin`` refuses
+        self._carry = [self._out(b).clone() for b in range(len(self.layout.buckets))]
+        self._carry_without = self.without_grad
+        self._clear(set_to_none=True)
+        self.reduced = False
 
     def begin(self, sync: bool) -> None:
         if not self.reduced:
             return
         s = self.stage
         if self.stepped:
-            cause = "Call optimizer.zero_grad() (or model.zero_grad()) after optimizer.step()"
-        else:  # e.g. a torch.optim optimizer, which finds no (ZeRO-2) or unsharded .grad
+            cause = "Call optimizer.zero_grad() (or model.zero_grad()) after optimizer.step()."
+        else:  # the backward did not start at the wrapper's output: nothing was set aside
             cause = (
-                f"No Zero{s} optimizer stepped on them: they reach only tiny_fsdp's Zero{s} "
-                f"optimizers (Zero{s}AdamW, Zero{s}SGD on model.named_parameters()), not a "
-                "torch.optim one (for torch.optim, wrap the model with DDP)"
+                "A backward before the step adds onto them when it runs through the output of "
+                "the wrapper (model(...), not model.module(...) or a method of the model); or "
+                "accumulate inside model.no_sync()."
             )
-        raise RuntimeError(
-            f"Zero{s}: backward on gradients already reduced by a synchronised backward. "
-            f"{cause}; to accumulate over micro-batches use model.no_sync()."
-        )
+        raise RuntimeError(f"Zero{s}: backward on gradients already reduced. {cause}")
 
     def launch(self, bucket: int, async_op: bool) -> None:
         """Sum ``bucket`` (every rank's gradient / N) over ranks: this rank's chunk of the
@@ -128,6 +148,8 @@ class ZeroGradStore(ABC):
 
     def finish(self, bucket: int) -> None:
         self._pending.pop(bucket).wait()
+        if self._carry is not None:
+            self._out(bucket).add_(self._carry[bucket])
 
     def add(self, index: int, param: nn.Parameter) -> None:
         """``param.grad / N`` into its bucket (``param.grad`` None: zeros)."""
@@ -138,6 +160,9 @@ class ZeroGradStore(ABC):
         if sync:
             self.reduced, self.stepped = True, False
             self.without_grad = self._params_no_rank_had_a_grad_for()
+            if self._carry is not None:
+                self.without_grad &= self._carry_without
+                self._carry = None
 
     def _params_no_rank_had_a_grad_for(self) -> FrozenSet[int]:
         """All-reduce a flag per parameter (see [Note: ZeRO gradient stores])."""
@@ -160,6 +185,7 @@ class ZeroGradStore(ABC):
         """Clear the gradients (the reduced ones included) before the next backward."""
         self._clear(set_to_none)
         self.reduced = False
+        self._carry = None
 
     # ------------------------------------------------------------------ per stage
 
@@ -226,7 +252,8 @@ class FullGradBuffer(ZeroGradStore):
         return self.buffer.piece(piece)
 
     def held_grads(self) -> List[torch.Tensor]:
-        return [self.buffer.data]  # param.grad are views of it (or None after zero_grad)
+        # param.grad are views of the buffer (or None after zero_grad)
+        return [self.buffer.data, *(self._carry or [])]
 
     def _source(self, bucket: int) -> torch.Tensor:
         return self.buffer.bucket(bucket)
@@ -313,7 +340,7 @@ class StagedGradShard(ZeroGradStore):
         return shard_piece(self.shard, piece)
 
     def held_grads(self) -> List[torch.Tensor]:
-        return [self.shard]  # no param.grad points to it
+        return [self.shard, *(self._carry or [])]  # no param.grad points to them
 
     def _source(self, bucket: int) -> torch.Tensor:
         staging = self._staging[bucket]
