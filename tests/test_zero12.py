@@ -606,13 +606,8 @@ def _errors_worker(rank: int, world_size: int) -> None:
         )
     x, y = (local_slice(t, rank, world_size) for t in _xy(0, 2 * world_size))
     lm_loss(model(x), y).backward()
-    with pytest.raises(RuntimeError, match=r"already reduced\. A backward before the step adds"):
+    with pytest.raises(RuntimeError, match=r"already reduced\. A backward adds onto them"):
         lm_loss(model.module(x), y).backward()  # again, but not from the wrapper's output
-    optimizer.step()
-    with pytest.raises(
-        RuntimeError, match=r"already reduced\. Call optimizer\.zero_grad\(\).* after optimizer"
-    ):
-        lm_loss(model(x), y).backward()  # forgot zero_grad after the step
     # A torch.optim optimizer cannot train a ZeRO model (ZeRO-2 leaves every .grad None): its
     # step raises, naming the optimizers that can.
     zero2 = Zero2(make_model(0))
@@ -687,17 +682,22 @@ def _unused_worker(rank: int, world_size: int) -> List[str]:
 
 
 def _backward_again_worker(rank: int, world_size: int) -> List[str]:
-    """Several backwards before one step, as torch's DDP adds them up ([Note: backward again
-    before the step]): ``branch`` used by rank 0 in the first backward only; ``never`` never."""
-    uses = [lambda r: r == 0, lambda r: False, lambda r: True]  # branch, per backward
-    schedules = {  # per step: which backwards run, in order (index, synchronised?)
-        "two backwards": [(0, True), (1, True)],
-        "sync, no_sync, sync": [(0, True), (1, False), (2, True)],
-        "two forwards, then their backwards": [(0, True), (1, True)],
-    }
+    """Backwards on gradients not cleared since the last one add up, as in torch's DDP ([Note:
+    backward again before the step]). ``branch`` is used by rank 0 only in backward 0, by no
+    rank in backward 1, by all in backward 2; ``never`` never. An action: ``("backward", i,
+    synchronised)``, ``("step",)``, or ``("forwards", [i, ...])`` (their backwards follow)."""
+    uses = [lambda r: r == 0, lambda r: False, lambda r: True]
+    schedules = {
+        "two backwards": [("backward", 0, True), ("backward", 1, True), ("step",)],
+        "sync, no_sync, sync": [
+            ("backward", 0, True), ("backward", 1, False), ("backward", 2, True), ("step",)],
+        "two forwards, then their backwards": [("forwards", [0, 1]), ("step",)],
+        "step, backward without zero_grad, step": [  # a GAN's discriminator
+            ("backward", 0, True), ("step",), ("backward", 1, True), ("step",)],
+    }  # fmt: skip
     seen = []
     for strategy, async_comm in (("zero1", True), ("zero2", False), ("zero2", True)):
-        for what, schedule in schedules.items():
+        for what, actions in schedules.items():
             torch.manual_seed(0)
             reference = BranchyNet()
             initial = copy.deepcopy(reference)
@@ -714,23 +714,25 @@ def _backward_again_worker(rank: int, world_size: int) -> List[str]:
                      for _ in range(world_size)]
                     for _ in range(3)
                 ]  # fmt: skip
-                for i, _ in schedule:  # one device: the sum over backwards of the ranks' mean
-                    for r, (x, y) in enumerate(data[i]):
-                        (F.mse_loss(reference(x, uses[i](r)), y) / world_size).backward()
-                ref_optimizer.step()
-                ref_optimizer.zero_grad()
 
                 def loss(i: int) -> torch.Tensor:
                     x, y = data[i][rank]
                     return F.mse_loss(model(x, uses[i](rank)), y)
 
-                if what.startswith("two forwards"):
-                    for pending in [loss(i) for i, _ in schedule]:
-                        pending.backward()
-                for i, sync in [] if what.startswith("two forwards") else schedule:
+                for action in actions:
+                    if action[0] == "step":
+                        ref_optimizer.step()
+                        optimizer.step()
+                        continue
+                    indices = action[1] if action[0] == "forwards" else [action[1]]
+                    for i in indices:  # one device: the mean over the ranks' losses
+                        for r, (x, y) in enumerate(data[i]):
+                            (F.mse_loss(reference(x, uses[i](r)), y) / world_size).backward()
+                    sync = action[0] == "forwards" or action[2]
                     with contextlib.nullcontext() if sync else model.no_sync():
-                        loss(i).backward()
-                optimizer.step()
+                        for pending in [loss(i) for i in indices]:
+                            pending.backward()
+                ref_optimizer.zero_grad()
                 optimizer.zero_grad()
             case = f"rank {rank} {strategy} async={async_comm} {what}"
             for (name, ours), ref in zip(model.module.named_parameters(), reference.parameters()):
@@ -743,7 +745,7 @@ def _backward_again_worker(rank: int, world_size: int) -> List[str]:
 
 
 def test_a_backward_again_before_the_step_adds_on_as_in_torch_ddp() -> None:
-    assert len(run_distributed(_backward_again_worker, 2)[0]) == 9
+    assert len(run_distributed(_backward_again_worker, 2)[0]) == 12
 
 
 def test_parameters_no_rank_used_are_not_stepped() -> None:

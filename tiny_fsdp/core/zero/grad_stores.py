@@ -28,13 +28,14 @@ clear gradients for it (``zero_grad``).
 torch's DDP adds a second backward's averaged gradient onto the first (a GAN's discriminator:
 ``loss_real.backward(); loss_fake.backward(); opt.step()``). Here the reduction leaves only this
 rank's chunks meaningful, nothing a new backward could accumulate onto. So a backward through
-the wrapper's output (a hook on it runs before any parameter's gradient) on reduced gradients no
-optimizer stepped on first sets them aside (``set_aside``; ``_carry``: this rank's chunks, 1/N
+the wrapper's output (a hook on it runs before any parameter's gradient) on reduced gradients
+not cleared since first sets them aside (``set_aside``; ``_carry``: this rank's chunks, 1/N
 of the gradients) and clears the gradients, and each bucket's reduction adds its carried chunk
 when it finishes; a ``no_sync`` backward in between accumulates locally as usual and the next
 synchronised one reduces the local total. A parameter is then without gradient only if it had
-none in every backward. A backward on gradients an optimizer already stepped on (no
-``zero_grad`` after the step), or one that bypassed the wrapper's output, raises instead.
+none in every backward. The same holds after a step without ``zero_grad`` (torch adds onto the
+stepped gradients too; a GAN's generator step runs backward through the discriminator). A
+backward that bypassed the wrapper's output finds nothing set aside and raises.
 
 A parameter unused in a rank's forward contributes zeros, so the average is right when another
 rank used it. When NO rank had a gradient for it (a branch no rank took, a module never
@@ -81,7 +82,6 @@ class ZeroGradStore(ABC):
         stage: the ZeRO stage this store implements (a label: nothing branches on it).
         params: the trainable parameters in layout order.
         reduced: a synchronised backward reduced gradients that were not cleared since.
-        stepped: an optimizer step used the reduced gradients (``mark_stepped``).
         without_grad: indices of the parameters no rank had a gradient for in the last
             synchronised backward (the optimizer skips them).
     """
@@ -104,7 +104,6 @@ class ZeroGradStore(ABC):
         self.dtype, self.device, self.rank = dtype, device, rank
         self.world_size = layout.world_size
         self.reduced = False
-        self.stepped = False
         self.without_grad: FrozenSet[int] = frozenset()
         self._has_grad = [False] * len(self.params)  # this backward, on this rank
         self._pending: Dict[int, PendingReduce] = {}  # bucket -> reduction in flight
@@ -113,28 +112,23 @@ class ZeroGradStore(ABC):
         self._carry_without: FrozenSet[int] = frozenset()
 
     def set_aside(self) -> None:
-        """Before a backward through the model's output: reduced gradients no optimizer stepped
-        on are carried into it ([Note: backward again before the step])."""
-        if not self.reduced or self.stepped:
-            return  # nothing to carry; or ``begin`` refuses
+        """Before a backward through the model's output: reduced gradients not cleared since are
+        carried into it ([Note: backward again before the step])."""
+        if not self.reduced:
+            return
         self._carry = [self._out(b).clone() for b in range(len(self.layout.buckets))]
         self._carry_without = self.without_grad
         self._clear(set_to_none=True)
         self.reduced = False
 
     def begin(self, sync: bool) -> None:
-        if not self.reduced:
-            return
-        s = self.stage
-        if self.stepped:
-            cause = "Call optimizer.zero_grad() (or model.zero_grad()) after optimizer.step()."
-        else:  # the backward did not start at the wrapper's output: nothing was set aside
-            cause = (
-                "A backward before the step adds onto them when it runs through the output of "
-                "the wrapper (model(...), not model.module(...) or a method of the model); or "
-                "accumulate inside model.no_sync()."
+        if self.reduced:  # the backward did not start at the wrapper's output: nothing set aside
+            raise RuntimeError(
+                f"Zero{self.stage}: backward on gradients already reduced. A backward adds onto "
+                "them (as torch's DDP) when it runs through the output of the wrapper "
+                "(model(...), not model.module(...) or a method of the model); or call "
+                "optimizer.zero_grad() first, or accumulate inside model.no_sync()."
             )
-        raise RuntimeError(f"Zero{s}: backward on gradients already reduced. {cause}")
 
     def launch(self, bucket: int, async_op: bool) -> None:
         """Sum ``bucket`` (every rank's gradient / N) over ranks: this rank's chunk of the
@@ -158,7 +152,7 @@ class ZeroGradStore(ABC):
 
     def end(self, sync: bool) -> None:
         if sync:
-            self.reduced, self.stepped = True, False
+            self.reduced = True
             self.without_grad = self._params_no_rank_had_a_grad_for()
             if self._carry is not None:
                 self.without_grad &= self._carry_without

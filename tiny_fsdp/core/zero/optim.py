@@ -155,7 +155,6 @@ class _ZeroOptimizer:
             )
         loss = super().step(closure)  # type: ignore[misc]
         if self._wrapper.grads_reduced:  # the same on every rank: collectives stay paired
-            self._wrapper.mark_stepped()
             self._publish()
         self._consolidated = None  # stale now
         return loss

@@ -224,10 +224,6 @@ class ZeroWrapper(ReplicatedWrapper):
         backward (valid until the next backward; updated in place)."""
         return self._grads.reduced_grad(piece)
 
-    def mark_stepped(self) -> None:
-        """An optimizer step used the reduced gradients (the next backward's error says so)."""
-        self._grads.stepped = True
-
     def register_optimizer(self, optimizer: Any) -> None:
         """``optimizer`` updates this model: reload its masters after ``load_state_dict``."""
         self._optimizers.add(optimizer)
