@@ -32,7 +32,7 @@ dtype from the layer; a layer saves an input in the dtype its op really computed
 """
 
 import contextlib
-from typing import Any, ContextManager, Optional, Sequence, Tuple
+from typing import Any, ContextManager, List, Optional, Sequence, Tuple
 
 import torch
 from torch import nn
@@ -50,6 +50,7 @@ class CallbackFunction(torch.autograd.Function):
         handler = module.param_handler
         ctx.module = module
         ctx.param_needs_grad = tuple(p is not None and p.requires_grad for p in local_params)
+        ctx.param_edges = _param_edges(args[:n_inputs], local_params)
         ctx.autocast = _autocast_state(args)
         ctx.params = handler.fetch(module, TrainingPhase.FORWARD)
         rec = _trace.ACTIVE  # a traced step records the layer math alone ([Note: trace hooks])
@@ -66,7 +67,17 @@ class CallbackFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, grad_output: torch.Tensor) -> Tuple[Optional[torch.Tensor], ...]:
         module = ctx.module
+        if torch.is_grad_enabled():  # autograd runs backward in grad mode for create_graph only
+            raise NotImplementedError(
+                f"{type(module).__name__}: a backward with create_graph=True (a gradient "
+                "penalty, a Hessian-vector product) through a tiny_fsdp layer: its backward is "
+                "written by hand with fetched parameters, so the terms of the second derivative "
+                "through the parameters would be lost ([Note: backward for inputs only]). Wrap "
+                "the model with DDP, Zero1 or Zero2, which run the model's own modules"
+            )
         handler = module.param_handler
+        needs_grad = ctx.param_needs_grad
+        ctx.param_needs_grad = _accumulated_this_backward(ctx, needs_grad)
         ctx.params = handler.fetch(module, TrainingPhase.BACKWARD)
         rec = _trace.ACTIVE
         span = None if rec is None else rec.begin_layer(module, "backward")
@@ -79,8 +90,48 @@ class CallbackFunction(torch.autograd.Function):
                 rec.end(span)
             del ctx.params
             handler.release(module, TrainingPhase.BACKWARD)
+            wanted, ctx.param_needs_grad = ctx.param_needs_grad, needs_grad
+        if not any(wanted):  # no parameter gradient goes anywhere: nothing to reduce
+            return (None, None, *grad_inputs, *(None for _ in grad_params))
         local_grads = handler.reduce_grads(module, tuple(grad_params))
         return (None, None, *grad_inputs, *local_grads)
+
+
+def _accumulated_this_backward(ctx: Any, needs_grad: Tuple[bool, ...]) -> Tuple[bool, ...]:
+    """Which of the layer's parameters this backward accumulates a gradient into.
+
+    [Note: backward for inputs only]
+    ``torch.autograd.grad(loss, x)`` (an adversarial example, a saliency map, the input
+    gradient of a gradient penalty) and ``loss.backward(inputs=[...])`` run the layer's backward
+    for its input gradient but accumulate into no (or only some) parameters. A layer's
+    parameter gradients are then neither computed nor reduced: a strategy's reduction would
+    deliver them into ``.grad`` (torch's DDP leaves ``.grad`` alone there, and its hooks on the
+    parameters never run). The engine says whether it will run a parameter's accumulator; inside
+    ``autograd.grad`` it refuses to answer for accumulators, which ``autograd.grad`` never runs.
+    """
+    nodes = ctx.next_functions  # one (node, input index) per tensor argument of forward
+    return tuple(
+        needs and _will_run(nodes[edge][0]) for needs, edge in zip(needs_grad, ctx.param_edges)
+    )
+
+
+def _param_edges(inputs: Sequence[Any], params: Sequence[Any]) -> Tuple[Optional[int], ...]:
+    """Index of each parameter in the Function's tensor arguments (None: no parameter)."""
+    edge = sum(isinstance(x, torch.Tensor) for x in inputs)
+    edges: List[Optional[int]] = []
+    for param in params:
+        edges.append(edge if param is not None else None)
+        edge += param is not None
+    return tuple(edges)
+
+
+def _will_run(node: Any) -> bool:
+    try:
+        return node is not None and torch._C._will_engine_execute_node(node)
+    except RuntimeError as error:  # inside torch.autograd.grad, which accumulates nothing
+        if "autograd.grad" not in str(error):
+            raise
+        return False
 
 
 AutocastState = Optional[Tuple[str, bool, torch.dtype]]  # (device type, enabled, dtype)
