@@ -644,6 +644,15 @@ def test_a_bucket_of_one_unpadded_parameter_stages_in_its_gradient() -> None:
     assert store.stats.live_bytes == 0 and store.stats.peak_bytes == (6 + 4) * 4
 
 
+def _check_branchy(ours: nn.Module, reference: nn.Module, initial: nn.Module, case: str) -> None:
+    """A trained ``BranchyNet`` equals the reference; its ``never`` was never stepped."""
+    for (name, param), ref in zip(ours.named_parameters(), reference.parameters()):
+        gap = (param - ref).abs().max().item()
+        assert gap <= PARAM_ATOL, f"{case}: {name} differs by {gap:.2e}"
+    for param, start in zip(ours.never.parameters(), initial.never.parameters()):
+        assert torch.equal(param, start), f"{case}: an unused parameter was stepped"
+
+
 def _unused_worker(rank: int, world_size: int) -> List[str]:
     """A branch used by rank 0 only, then by no rank; ``never`` never used: parameters after two
     AdamW steps (weight decay on) as torch.optim's on one device, which skips a None grad."""
@@ -672,11 +681,7 @@ def _unused_worker(rank: int, world_size: int) -> List[str]:
             F.mse_loss(model(x, uses(rank)), y).backward()
             optimizer.step()
             optimizer.zero_grad()
-        for (name, ours), ref in zip(model.module.named_parameters(), reference.parameters()):
-            gap = (ours - ref).abs().max().item()
-            assert gap <= PARAM_ATOL, f"rank {rank} {strategy}: {name} differs by {gap:.2e}"
-        for ours, start in zip(model.module.never.parameters(), initial.never.parameters()):
-            assert torch.equal(ours, start), f"{strategy}: an unused parameter was stepped"
+        _check_branchy(model.module, reference, initial, f"rank {rank} {strategy}")
         seen.append(strategy)
     return seen
 
@@ -735,11 +740,7 @@ def _backward_again_worker(rank: int, world_size: int) -> List[str]:
                 ref_optimizer.zero_grad()
                 optimizer.zero_grad()
             case = f"rank {rank} {strategy} async={async_comm} {what}"
-            for (name, ours), ref in zip(model.module.named_parameters(), reference.parameters()):
-                gap = (ours - ref).abs().max().item()
-                assert gap <= PARAM_ATOL, f"{case}: {name} differs by {gap:.2e}"
-            for ours, start in zip(model.module.never.parameters(), initial.never.parameters()):
-                assert torch.equal(ours, start), f"{case}: an unused parameter was stepped"
+            _check_branchy(model.module, reference, initial, case)
             seen.append(case)
     return seen
 
