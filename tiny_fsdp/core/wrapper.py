@@ -89,6 +89,7 @@ class DataParallelWrapper(nn.Module):
         module: nn.Module,
         enable_async_communication: bool = False,
         mixed_precision: Optional[MixedPrecisionPolicy] = None,
+        registered_layers: bool = True,
     ) -> None:
         require_process_group(type(self).__name__)
         super().__init__()
@@ -96,7 +97,9 @@ class DataParallelWrapper(nn.Module):
             raise TypeError(
                 f"mixed_precision must be a MixedPrecisionPolicy or None, got {mixed_precision!r}"
             )
-        self.module = convert_module(module) if self.converts_layers else module
+        if self.converts_layers:
+            module = convert_module(module, registered_layers)
+        self.module = module
         self._check_and_claim()
         check_master_dtypes(self.module, mixed_precision)
         self.mixed_precision = mixed_precision

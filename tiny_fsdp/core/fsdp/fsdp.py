@@ -74,6 +74,10 @@ class FSDP(FetchingWrapper):
             sharding]); ``hsdp_mesh(replicas)`` builds one. The ``world_size`` / ``rank``
             arguments stay the whole world's; the properties of those names are the shard
             group's.
+        registered_layers: False puts every module on the generic path: the model's own ops
+            compute, so a backward with ``create_graph=True`` (a gradient penalty) works, which
+            a registered layer's hand-written backward refuses ([Note: backward for inputs
+            only]).
     """
 
     collectives = ("all_gather", "reduce_scatter", "broadcast")
@@ -95,6 +99,7 @@ class FSDP(FetchingWrapper):
         unit: Union[str, Iterable[nn.Module]] = "auto",
         mixed_precision: Optional[MixedPrecisionPolicy] = None,
         mesh: Optional[Any] = None,
+        registered_layers: bool = True,
     ) -> None:
         require_process_group(type(self).__name__)
         _check_group(world_size, rank)
@@ -104,7 +109,7 @@ class FSDP(FetchingWrapper):
         self._state = FSDPState(
             shard_size, shard_rank, reshard_after_forward, prefetch_limit, groups
         )
-        super().__init__(module, enable_async_communication, mixed_precision)
+        super().__init__(module, enable_async_communication, mixed_precision, registered_layers)
         self._state.policy = mixed_precision
         shard_module(
             self.module, shard_rank, shard_size, device, sync_module_states, groups.shard_group

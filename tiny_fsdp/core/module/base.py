@@ -73,7 +73,8 @@ class CallbackFunction(torch.autograd.Function):
                 "penalty, a Hessian-vector product) through a tiny_fsdp layer: its backward is "
                 "written by hand with fetched parameters, so the terms of the second derivative "
                 "through the parameters would be lost ([Note: backward for inputs only]). Wrap "
-                "the model with DDP, Zero1 or Zero2, which run the model's own modules"
+                "the model with DDP, Zero1 or Zero2, or pass registered_layers=False to FSDP / "
+                "Zero3: then the model's own modules compute"
             )
         handler = module.param_handler
         needs_grad = ctx.param_needs_grad

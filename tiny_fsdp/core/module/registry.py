@@ -32,15 +32,17 @@ def register_wrapper(torch_cls: Type[nn.Module], wrapper_cls: Type[CallbackModul
     WRAPPERS[torch_cls] = wrapper_cls
 
 
-def convert_module(model: nn.Module) -> nn.Module:
+def convert_module(model: nn.Module, registered_layers: bool = True) -> nn.Module:
     """Make every module of ``model`` that holds parameters a layer, in place; return ``model``.
 
     A registered layer's class is swapped for its wrapper (the explicit, fast path); any other
     module holding parameters of its own gets the generic path's hooks ([Note: generic layer]),
-    its class and ``forward`` untouched. Parameter objects are kept, so weights are unchanged
-    and a parameter shared by two modules (GPT-2's tied ``wte``/``lm_head``) stays shared.
+    its class and ``forward`` untouched. ``registered_layers=False``: every module takes the
+    generic path, so autograd sees the model's own ops (second derivatives, [Note: backward for
+    inputs only]). Parameter objects are kept, so weights are unchanged and a parameter shared
+    by two modules (GPT-2's tied ``wte``/``lm_head``) stays shared.
     """
-    for module in model.modules():
+    for module in model.modules() if registered_layers else ():
         if isinstance(module, CallbackModule):
             continue
         wrapper = WRAPPERS.get(type(module))

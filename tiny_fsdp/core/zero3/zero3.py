@@ -66,6 +66,7 @@ class Zero3(FetchingWrapper):
             model's repeated blocks, else per layer), ``"layer"``, ``"tensor"`` (one collective
             per tensor), or a list of modules (``unit_layout.py``); within a unit, one
             broadcast and one reduce per owner and dtype.
+        registered_layers: as ``FSDP``'s (False: the generic path for every module).
     """
 
     collectives = ("broadcast", "reduce")
@@ -84,8 +85,9 @@ class Zero3(FetchingWrapper):
         mixed_precision: Optional[MixedPrecisionPolicy] = None,
         prefetch_depth: Optional[int] = None,
         unit: UnitSpec = "auto",
+        registered_layers: bool = True,
     ) -> None:
-        super().__init__(module, enable_async_communication, mixed_precision)
+        super().__init__(module, enable_async_communication, mixed_precision, registered_layers)
         if prefetch_depth is not None:
             warnings.warn(
                 "Zero3(prefetch_depth=...) is deprecated; use prefetch_limit=... (same meaning, "
