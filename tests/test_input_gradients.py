@@ -4,8 +4,10 @@ The oracle is ``torch.nn.parallel.DistributedDataParallel`` + ``torch.optim.SGD`
 ranks and data. Two user loops:
 
 - adversarial training (FGSM): the input gradient of the loss by ``torch.autograd.grad``, then
-  a normal step on the perturbed input. ``autograd.grad`` accumulates into no ``.grad``, so a
-  strategy must not deliver parameter gradients there ([Note: backward for inputs only]).
+  a normal step on the perturbed input; and an input gradient (a saliency map) taken between a
+  backward and the step. ``autograd.grad`` accumulates into no ``.grad``, so a strategy must
+  neither deliver parameter gradients there nor move the ones waiting for the step ([Note:
+  backward for inputs only]).
 - a gradient penalty (WGAN-GP): ``autograd.grad(..., create_graph=True)``, then a backward
   through that gradient (second derivatives through the parameters). The model's own modules
   (DDP, ZeRO-1/2, and the generic path of FSDP / ZeRO-3, for every module with
@@ -50,16 +52,31 @@ def _critic(registered: bool) -> nn.Module:
     return nn.Sequential(linear(8, 16), norm, nn.Tanh(), linear(16, 16), nn.Tanh(), linear(16, 3))
 
 
+# Each loop's backward part: the loss of one batch, its backward done.
+
+
 def _fgsm(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     x = x.clone().requires_grad_(True)
     (grad,) = torch.autograd.grad(F.cross_entropy(model(x), y), x)
-    return F.cross_entropy(model(x.detach() + 0.1 * grad.sign()), y)
+    loss = F.cross_entropy(model(x.detach() + 0.1 * grad.sign()), y)
+    loss.backward()
+    return loss
+
+
+def _saliency_before_step(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    loss = F.cross_entropy(model(x), y)
+    loss.backward()
+    x = x.clone().requires_grad_(True)  # an input gradient between backward and step
+    torch.autograd.grad(model(x).max(dim=1).values.sum(), x)
+    return loss
 
 
 def _gradient_penalty(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     x = x.clone().requires_grad_(True)
     (grad,) = torch.autograd.grad(model(x).sum(), x, create_graph=True)
-    return F.cross_entropy(model(x), y) + ((grad.norm(dim=1) - 1) ** 2).mean()
+    loss = F.cross_entropy(model(x), y) + ((grad.norm(dim=1) - 1) ** 2).mean()
+    loss.backward()
+    return loss
 
 
 def _train(rank: int, model: nn.Module, optimizer, loss_fn) -> List[float]:
@@ -69,7 +86,6 @@ def _train(rank: int, model: nn.Module, optimizer, loss_fn) -> List[float]:
         x, y = torch.randn(6, 8, generator=gen), torch.randint(3, (6,), generator=gen)
         optimizer.zero_grad()
         loss = loss_fn(model, x, y)
-        loss.backward()
         optimizer.step()
         losses.append(loss.item())
     return losses
@@ -79,7 +95,7 @@ def _input_gradients_worker(rank: int, world_size: int) -> Dict[str, float]:
     gaps = {}
     for registered in (True, False):
         plain = _critic(registered)
-        for loss_fn in (_fgsm, _gradient_penalty):
+        for loss_fn in (_fgsm, _saliency_before_step, _gradient_penalty):
             oracle = nn.parallel.DistributedDataParallel(copy.deepcopy(plain))
             want = _train(rank, oracle, torch.optim.SGD(oracle.parameters(), **HYPER), loss_fn)
             for strategy in STRATEGIES:
@@ -105,6 +121,6 @@ def _input_gradients_worker(rank: int, world_size: int) -> Dict[str, float]:
 
 
 def test_input_gradients_train_as_torch_ddp() -> None:
-    """20 cases; the 2 with registered layers, second derivatives and FSDP / ZeRO-3 refuse,
+    """30 cases; the 2 with registered layers, second derivatives and FSDP / ZeRO-3 refuse,
     then run with ``registered_layers=False``."""
-    assert all(len(gaps) == 20 for gaps in run_distributed(_input_gradients_worker, 2))
+    assert all(len(gaps) == 30 for gaps in run_distributed(_input_gradients_worker, 2))

@@ -38,6 +38,7 @@ import torch
 from torch import nn
 
 from tiny_fsdp.core.module.handler import LOCAL_HANDLER, ParamHandler, TrainingPhase
+from tiny_fsdp.core.utils.engine import will_run
 from tiny_fsdp.trace import recorder as _trace
 
 
@@ -99,20 +100,11 @@ class CallbackFunction(torch.autograd.Function):
 
 
 def _accumulated_this_backward(ctx: Any, needs_grad: Tuple[bool, ...]) -> Tuple[bool, ...]:
-    """Which of the layer's parameters this backward accumulates a gradient into.
-
-    [Note: backward for inputs only]
-    ``torch.autograd.grad(loss, x)`` (an adversarial example, a saliency map, the input
-    gradient of a gradient penalty) and ``loss.backward(inputs=[...])`` run the layer's backward
-    for its input gradient but accumulate into no (or only some) parameters. A layer's
-    parameter gradients are then neither computed nor reduced: a strategy's reduction would
-    deliver them into ``.grad`` (torch's DDP leaves ``.grad`` alone there, and its hooks on the
-    parameters never run). The engine says whether it will run a parameter's accumulator; inside
-    ``autograd.grad`` it refuses to answer for accumulators, which ``autograd.grad`` never runs.
-    """
+    """Which of the layer's parameters this backward accumulates a gradient into ([Note:
+    backward for inputs only]: the others are neither computed nor reduced)."""
     nodes = ctx.next_functions  # one (node, input index) per tensor argument of forward
     return tuple(
-        needs and _will_run(nodes[edge][0]) for needs, edge in zip(needs_grad, ctx.param_edges)
+        needs and will_run(nodes[edge][0]) for needs, edge in zip(needs_grad, ctx.param_edges)
     )
 
 
@@ -124,15 +116,6 @@ def _param_edges(inputs: Sequence[Any], params: Sequence[Any]) -> Tuple[Optional
         edges.append(edge if param is not None else None)
         edge += param is not None
     return tuple(edges)
-
-
-def _will_run(node: Any) -> bool:
-    try:
-        return node is not None and torch._C._will_engine_execute_node(node)
-    except RuntimeError as error:  # inside torch.autograd.grad, which accumulates nothing
-        if "autograd.grad" not in str(error):
-            raise
-        return False
 
 
 AutocastState = Optional[Tuple[str, bool, torch.dtype]]  # (device type, enabled, dtype)

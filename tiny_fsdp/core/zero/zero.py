@@ -30,6 +30,7 @@ from tiny_fsdp.core.local_state import LocalPiece, replicated_piece
 from tiny_fsdp.core.module.generic import output_tensors
 from tiny_fsdp.core.ownership import owner_of
 from tiny_fsdp.core.replicated import ReplicatedWrapper, broadcast_module_buffers
+from tiny_fsdp.core.utils.engine import accumulates_any
 from tiny_fsdp.core.zero.flat_buffer import (
     FlatBuffer,
     FlatLayout,
@@ -180,7 +181,10 @@ class ZeroWrapper(ReplicatedWrapper):
         return output
 
     def _before_backward(self, grad: torch.Tensor) -> None:
-        self._grads.set_aside()
+        # Not for a backward that accumulates into no parameter ([Note: backward for inputs
+        # only]): the reduced gradients stay where they are for the step.
+        if self._grads.reduced and accumulates_any(self.params):
+            self._grads.set_aside()
 
     @torch.no_grad()
     def _master_pieces_before_cast(self) -> torch.Tensor:
