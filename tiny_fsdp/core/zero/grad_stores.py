@@ -35,7 +35,9 @@ when it finishes; a ``no_sync`` backward in between accumulates locally as usual
 synchronised one reduces the local total. A parameter is then without gradient only if it had
 none in every backward. The same holds after a step without ``zero_grad`` (torch adds onto the
 stepped gradients too; a GAN's generator step runs backward through the discriminator). A
-backward that bypassed the wrapper's output finds nothing set aside and raises.
+backward that accumulates into no parameter (``autograd.grad`` for an input) sets nothing
+aside ([Note: backward for inputs only]); one that bypassed the wrapper's output finds nothing
+set aside and raises.
 
 A parameter unused in a rank's forward contributes zeros, so the average is right when another
 rank used it. When NO rank had a gradient for it (a branch no rank took, a module never
