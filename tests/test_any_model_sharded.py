@@ -13,7 +13,7 @@ Cases are combined into few distributed calls to keep CI time small.
 """
 
 import copy
-from collections import OrderedDict
+from collections import OrderedDict, namedtuple
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
@@ -264,6 +264,9 @@ class Expert(nn.Module):
         return self.down(F.gelu(self.up(h)))
 
 
+MoEInput = namedtuple("MoEInput", "hidden idx")
+
+
 class MoEBlock(nn.Module):
     """Top-1 mixture of experts as it is often written: only the experts some token picked run.
     A token's expert is its id mod 3 (a hash router); the router's softmax weighs the output.
@@ -275,7 +278,9 @@ class MoEBlock(nn.Module):
         self.experts = nn.ModuleList(Expert() for _ in range(n_experts))
 
     def forward(self, h: Any, idx: Optional[torch.Tensor] = None) -> torch.Tensor:
-        if idx is None:
+        if isinstance(h, MoEInput):
+            h, idx = h  # one namedtuple argument
+        elif idx is None:
             h, idx = h["hidden"], h["idx"]  # one dict argument
         weight = self.router(h).softmax(-1)  # (B, T, 4)
         pick = idx % 3  # (B, T)
@@ -287,9 +292,11 @@ class MoEBlock(nn.Module):
 
 
 class MoELM(nn.Module):
-    def __init__(self, n_experts: int, n_blocks: int = 3, dict_input: bool = False) -> None:
+    """``packed``: how a block gets (hidden, idx): None (two arguments), "dict", "namedtuple"."""
+
+    def __init__(self, n_experts: int, n_blocks: int = 3, packed: Optional[str] = None) -> None:
         super().__init__()
-        self.dict_input = dict_input
+        self.packed = packed
         self.wte = nn.Embedding(VOCAB, WIDTH)
         self.blocks = nn.ModuleList(MoEBlock(n_experts) for _ in range(n_blocks))
         self.head = nn.Linear(WIDTH, VOCAB)
@@ -297,7 +304,10 @@ class MoELM(nn.Module):
     def forward(self, idx: torch.Tensor) -> ReaderOutput:
         h = self.wte(idx)
         for block in self.blocks:
-            h = block({"hidden": h, "idx": idx}) if self.dict_input else block(h, idx)
+            if self.packed == "dict":
+                h = block({"hidden": h, "idx": idx})
+            else:
+                h = block(MoEInput(h, idx)) if self.packed == "namedtuple" else block(h, idx)
         return ReaderOutput(logits=self.head(h))
 
 
@@ -313,16 +323,17 @@ def _moe_batch(step: int, rank: int, world_size: int) -> Tuple[torch.Tensor, tor
 
 def _moe_worker(rank: int, world_size: int) -> List[str]:
     seen = []
-    # (experts, blocks, dict input): with one block, the experts are the only list of like
+    # (experts, blocks, packed input): with one block, the experts are the only list of like
     # modules, so the unit is named: the MoE block (unit="auto" would make each expert a unit).
-    for n_experts, n_blocks, dict_input in (
-        (3, 3, False),
-        (4, 3, False),
-        (3, 1, False),
-        (3, 3, True),
+    for n_experts, n_blocks, packed in (
+        (3, 3, None),
+        (4, 3, None),
+        (3, 1, None),
+        (3, 3, "dict"),
+        (3, 3, "namedtuple"),
     ):
         torch.manual_seed(0)
-        model = MoELM(n_experts, n_blocks, dict_input)
+        model = MoELM(n_experts, n_blocks, packed)
         ddp = nn.parallel.DistributedDataParallel(model, find_unused_parameters=True)
         optimizer = torch.optim.AdamW(ddp.parameters(), lr=LR, weight_decay=0.1)
         ref_losses = _train(ddp, optimizer, _zoo_loss, rank, world_size, _moe_batch)
@@ -330,13 +341,13 @@ def _moe_worker(rank: int, world_size: int) -> List[str]:
         for strategy in ("fsdp", "zero3"):
             for async_comm in (True, False):
                 torch.manual_seed(0)
-                ours = MoELM(n_experts, n_blocks, dict_input)
+                ours = MoELM(n_experts, n_blocks, packed)
                 kw = {"unit": [ours.blocks[0]]} if n_blocks == 1 else {}
                 wrapped, optimizer = _wrap(strategy, ours, world_size, async_comm, **kw)
                 for group in optimizer.param_groups:
                     group["weight_decay"] = 0.1  # steps a parameter whose gradient is zero
                 losses = _train(wrapped, optimizer, _zoo_loss, rank, world_size, _moe_batch)
-                what = f"moe {n_experts} x {n_blocks} dict={dict_input} {strategy} {async_comm}"
+                what = f"moe {n_experts} x {n_blocks} packed={packed} {strategy} {async_comm}"
                 _compare(what, losses, wrapped.state_dict(), ref_losses, ref_state)
                 seen.append(what)
     return seen
@@ -348,8 +359,9 @@ def test_a_block_whose_layers_run_on_some_ranks_only_trains_like_torch_ddp():
     DDP's (find_unused_parameters=True) numbers: expert 2's gradient is the average over both
     ranks (rank 1 adds zeros), expert 3 gets none and is not stepped (no weight decay), and the
     ranks' collectives pair up ([Note: unit module events]), also when a block takes its
-    input inside a dict. A single MoE block, named as the unit, as the README says."""
-    assert len(run_distributed(_moe_worker, 2)[0]) == 4 * 2 * 2
+    input inside a dict or a namedtuple. A single MoE block, named as the unit, as the README
+    says."""
+    assert len(run_distributed(_moe_worker, 2)[0]) == 5 * 2 * 2
 
 
 # ------------------------------------------------------------------------------ forward once

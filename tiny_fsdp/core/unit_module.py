@@ -23,9 +23,9 @@ to do; where some did not, the events come at the point the count would have bee
 the other ranks, before any collective of another unit. A parameter that this rank did not use
 contributes zeros to the sums; which parameters receive the reduced gradient is decided in
 ``PendingReductions.finalize`` ([Note: asynchronous reduction]). A module none of whose inputs
-(tensors, also inside tuples, lists and dicts) needs a gradient has no backward event: its
-unit's sums are then launched at the end of the backward, which every rank reaches alike,
-not when its count completes.
+(tensors, also inside tuples, namedtuples, lists and dicts) needs a gradient has no backward
+event: its unit's sums are then launched at the end of the backward, which every rank reaches
+alike, not when its count completes.
 """
 
 from typing import Any, Callable, Dict, List, Tuple
@@ -36,6 +36,7 @@ from torch import nn
 from tiny_fsdp.core.full_unit import FullUnit
 from tiny_fsdp.core.module.handler import TrainingPhase
 from tiny_fsdp.core.unit_grads import UnitGradients
+from tiny_fsdp.core.utils.tree import map_tensors
 
 
 class _BackwardDone(torch.autograd.Function):
@@ -64,14 +65,14 @@ def watch_unit_module(module: nn.Module, unit: FullUnit, grads: UnitGradients) -
         if not torch.is_grad_enabled():
             return args, kwargs
         found: List[torch.Tensor] = []
-        _visit((args, kwargs), found.append)
+        _needing_grad((args, kwargs), lambda t: found.append(t) or t)
         # Without an input that needs a gradient there is no backward event: the unit's sums
         # wait for the end of the backward on every rank, not for a count that is local.
         grads.launch_when_complete = bool(found)
         if not found:
             return args, kwargs
         done = iter(_BackwardDone.apply(backward_done, *found))
-        return _visit((args, kwargs), lambda _: next(done))
+        return _needing_grad((args, kwargs), lambda _: next(done))
 
     def after(*_: Any) -> None:
         unit.module_done(TrainingPhase.FORWARD)
@@ -80,13 +81,6 @@ def watch_unit_module(module: nn.Module, unit: FullUnit, grads: UnitGradients) -
     module.register_forward_hook(after)
 
 
-def _visit(value: Any, fn: Callable[[torch.Tensor], Any]) -> Any:
-    """``value`` with ``fn(t)`` in place of each tensor ``t`` that needs a gradient, inside
-    tuples, lists and dicts (in a fixed order)."""
-    if isinstance(value, torch.Tensor):
-        return fn(value) if value.requires_grad else value
-    if isinstance(value, (tuple, list)):
-        return type(value)(_visit(v, fn) for v in value)
-    if isinstance(value, dict):
-        return {k: _visit(v, fn) for k, v in value.items()}
-    return value
+def _needing_grad(value: Any, fn: Callable[[torch.Tensor], Any]) -> Any:
+    """``value`` with ``fn(t)`` in place of each tensor ``t`` that needs a gradient."""
+    return map_tensors(value, lambda t: fn(t) if t.requires_grad else t)

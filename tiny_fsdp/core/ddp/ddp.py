@@ -21,7 +21,6 @@ DDP, a backward after a synchronised one (no ``zero_grad`` between) adds onto th
 precision: [Note: DDP mixed precision].
 """
 
-import copy
 from typing import Any, Dict, List, Mapping, Optional, Sequence, Union
 
 import torch
@@ -35,6 +34,7 @@ from tiny_fsdp.core.ddp.mixed_precision import ParamCast
 from tiny_fsdp.core.ownership import owner_of
 from tiny_fsdp.core.precision import MixedPrecisionPolicy
 from tiny_fsdp.core.replicated import ReplicatedWrapper, broadcast_module_buffers
+from tiny_fsdp.core.utils.tree import map_tensors
 
 
 def is_ddp_param(tensor: torch.Tensor) -> bool:
@@ -110,7 +110,8 @@ class DDP(ReplicatedWrapper):
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         if self.input_device is not None:
-            args, kwargs = _move_tensors((args, kwargs), self.input_device)
+            device = self.input_device
+            args, kwargs = map_tensors((args, kwargs), lambda t: t.to(device, non_blocking=True))
         if self._cast is None:
             return super().forward(*args, **kwargs)
         self._cast.to_compute()  # until the end of backward ([Note: DDP mixed precision])
@@ -161,22 +162,6 @@ def _input_device(
 def _as_device(device: Union[int, str, torch.device]) -> torch.device:
     """``torch.device`` of an index (a GPU, as torch DDP reads it), a string or a device."""
     return torch.device("cuda", device) if isinstance(device, int) else torch.device(device)
-
-
-def _move_tensors(obj: Any, device: torch.device) -> Any:
-    """``obj`` with every tensor in its tuples, lists and dicts moved to ``device``."""
-    if isinstance(obj, torch.Tensor):
-        return obj.to(device, non_blocking=True)
-    if isinstance(obj, tuple) and hasattr(obj, "_fields"):  # a namedtuple
-        return type(obj)(*(_move_tensors(v, device) for v in obj))
-    if isinstance(obj, (tuple, list)):
-        return type(obj)(_move_tensors(v, device) for v in obj)
-    if isinstance(obj, dict):
-        moved = copy.copy(obj)  # the same mapping type (OrderedDict, defaultdict, ...)
-        for key, value in obj.items():
-            moved[key] = _move_tensors(value, device)
-        return moved
-    return obj
 
 
 @torch.no_grad()
