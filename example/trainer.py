@@ -276,8 +276,8 @@ def main(strategy: str, argv: Optional[List[str]] = None) -> List[float]:
         print("trace written: " + ", ".join(written))
     if env.world_size > 1 and dist.is_initialized() and "RANK" in os.environ:
         # A gloo rank sometimes aborted at exit ("terminate called without an active
-        # exception"): tensors that collectives kept referenced were freed while the
-        # interpreter shut down. Free the model, optimizer and anything they hold now, then
+        # exception"; cause not established, a suspect: tensors of collectives freed while the
+        # interpreter shuts down). Free the model, optimizer and anything they hold now, then
         # leave together.
         del model, optimizer, batches
         gc.collect()
