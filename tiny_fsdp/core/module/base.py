@@ -32,7 +32,7 @@ dtype from the layer; a layer saves an input in the dtype its op really computed
 """
 
 import contextlib
-from typing import Any, ContextManager, List, Optional, Sequence, Tuple
+from typing import Any, ContextManager, Optional, Sequence, Tuple
 
 import torch
 from torch import nn
@@ -51,7 +51,6 @@ class CallbackFunction(torch.autograd.Function):
         handler = module.param_handler
         ctx.module = module
         ctx.param_needs_grad = tuple(p is not None and p.requires_grad for p in local_params)
-        ctx.param_edges = _param_edges(args[:n_inputs], local_params)
         ctx.autocast = _autocast_state(args)
         ctx.params = handler.fetch(module, TrainingPhase.FORWARD)
         rec = _trace.ACTIVE  # a traced step records the layer math alone ([Note: trace hooks])
@@ -102,20 +101,13 @@ class CallbackFunction(torch.autograd.Function):
 def _accumulated_this_backward(ctx: Any, needs_grad: Tuple[bool, ...]) -> Tuple[bool, ...]:
     """Which of the layer's parameters this backward accumulates a gradient into ([Note:
     backward for inputs only]: the others are neither computed nor reduced)."""
-    nodes = ctx.next_functions  # one (node, input index) per tensor argument of forward
+    module = ctx.module
+    present = [getattr(module, name) is not None for name in module.param_names]
+    # One (node, input index) per tensor argument of forward; the parameters come last.
+    edges = iter(ctx.next_functions[len(ctx.next_functions) - sum(present) :])
     return tuple(
-        needs and will_run(nodes[edge][0]) for needs, edge in zip(needs_grad, ctx.param_edges)
+        here and will_run(next(edges)[0]) and needs for needs, here in zip(needs_grad, present)
     )
-
-
-def _param_edges(inputs: Sequence[Any], params: Sequence[Any]) -> Tuple[Optional[int], ...]:
-    """Index of each parameter in the Function's tensor arguments (None: no parameter)."""
-    edge = sum(isinstance(x, torch.Tensor) for x in inputs)
-    edges: List[Optional[int]] = []
-    for param in params:
-        edges.append(edge if param is not None else None)
-        edge += param is not None
-    return tuple(edges)
 
 
 AutocastState = Optional[Tuple[str, bool, torch.dtype]]  # (device type, enabled, dtype)
