@@ -12,7 +12,6 @@ lines, never carriage-return frames.
 
 import argparse
 import contextlib
-import gc
 import math
 import os
 import resource
@@ -275,12 +274,8 @@ def main(strategy: str, argv: Optional[List[str]] = None) -> List[float]:
     if written:
         print("trace written: " + ", ".join(written))
     if env.world_size > 1 and dist.is_initialized() and "RANK" in os.environ:
-        # A gloo rank sometimes aborted at exit ("terminate called without an active
-        # exception"; cause not established, a suspect: tensors of collectives freed while the
-        # interpreter shuts down). Free the model, optimizer and anything they hold now, then
-        # leave together.
-        del model, optimizer, batches
-        gc.collect()
+        # Leave together; the abort a gloo rank could meet at exit is handled where every
+        # collective is issued ([Note: leaving after collectives], tiny_fsdp/core/comm.py).
         dist.barrier()
         dist.destroy_process_group()
     return losses
