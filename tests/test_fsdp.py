@@ -368,9 +368,17 @@ def _meta_init(rank: int, world_size: int) -> None:
         from_meta = fsdp.state_dict()
         assert from_meta.keys() == normal.keys()
         assert all(torch.equal(from_meta[k], normal[k]) for k in normal)  # same values, bitwise
+    # Without init_parameter: the layer's own reset_parameters ([Note: meta parameters]); a
+    # parameter nothing initialises is refused and the fix named.
     with torch.device("meta"):
-        no_init = nn.Sequential(nn.Linear(3, 4))
-    with pytest.raises(TypeError, match="init_parameter"):
+        own_init = nn.Sequential(nn.LayerNorm(4))
+    assert all(
+        torch.equal(v, torch.ones(4) * (k == "0.weight"))
+        for k, v in FSDP(own_init).state_dict().items()
+    )
+    with torch.device("meta"):
+        no_init = nn.ParameterList([nn.Parameter(torch.ones(3))])
+    with pytest.raises(ValueError, match=r"\['0'\] are on the meta device.*Add init_parameter"):
         FSDP(no_init)
 
 

@@ -46,8 +46,9 @@ class FSDP(FetchingWrapper):
         module: any model; converted in place to tiny_fsdp layers (registered wrappers, else
             the generic path, [Note: generic layer]) and sharded. It may be built
             on ``meta``: each tensor is then materialised with ``module.init_parameter(name,
-            full)``, sharded and freed, one at a time; buffers by the model's own
-            initialisation ([Note: meta buffers]).
+            full)``, else the model's own init of its module ([Note: meta parameters]),
+            sharded and freed, one at a time; buffers by the model's own initialisation
+            ([Note: meta buffers]).
         world_size, rank: default to the default process group's; if given they must match it.
         reshard_after_forward: free full parameters after each layer's forward (default) or
             keep them until its backward (less communication, more memory).

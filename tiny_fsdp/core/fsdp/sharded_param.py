@@ -17,14 +17,14 @@ import math
 from collections import defaultdict
 from dataclasses import dataclass, field
 from functools import cached_property
-from typing import Any, Optional, Tuple
+from typing import Any, Callable, Optional, Tuple
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
 from tiny_fsdp.core import comm
-from tiny_fsdp.core.meta_buffers import has_meta_buffers, materialize_buffers
+from tiny_fsdp.core.meta_init import ModuleInit, has_meta_buffers, materialize_buffers
 
 # Attribute set on every sharded nn.Parameter; its presence is what marks a tensor as a shard.
 SHARD_ATTR = "_tiny_fsdp_shard"
@@ -184,8 +184,8 @@ def shard_module(
 ) -> None:
     """Shard ``root`` in place at wrap time, one unique parameter at a time.
 
-    For each parameter: take its full value (materialised with ``root.init_parameter`` when on
-    ``meta``; moved to ``device`` if given), broadcast it from rank 0 if ``sync`` (ranks cannot
+    For each parameter: take its full value (materialised when on ``meta``: [Note: meta
+    parameters]; moved to ``device`` if given), broadcast it from rank 0 if ``sync`` (ranks cannot
     silently disagree), keep this rank's shard, and free the full tensor before the next one,
     so a rank never holds a second full copy of the model. Buffers on ``meta`` are made real
     first by the model's own initialisation ([Note: meta buffers]). ``rank`` / ``world_size``:
@@ -199,8 +199,9 @@ def shard_module(
         for attr, param in module._parameters.items():
             if param is not None:
                 holders[id(param)].append((module, attr))
+    init = getattr(root, "init_parameter", None) or ModuleInit(root, _meta_device(device), "FSDP")
     for name, param in list(root.named_parameters()):  # a tied parameter comes once
-        full = _full_tensor(root, name, param, device)
+        full = _full_tensor(root, name, param, device, init)
         if sync and dist.get_world_size() > 1:
             comm.broadcast_into(full, src=0)
         shard = make_shard_parameter(param, full, rank, world_size, group)
@@ -229,20 +230,13 @@ def _meta_device(device: Optional[torch.device]) -> torch.device:
 
 
 def _full_tensor(
-    root: nn.Module, name: str, param: nn.Parameter, device: Optional[torch.device]
+    root: nn.Module, name: str, param: nn.Parameter, device: Optional[torch.device], init: Callable
 ) -> torch.Tensor:
-    """The full value of ``param`` on the device its shard will live on (maybe materialised)."""
+    """The full value of ``param`` on the device its shard will live on (maybe materialised
+    with ``init(name, tensor)``, [Note: meta parameters])."""
     if param.device.type != "meta":
         full = param.detach()
         return full if device is None else full.to(device)
-    init = getattr(root, "init_parameter", None)
-    if init is None:
-        raise TypeError(
-            f"parameter '{name}' is on the meta device, so FSDP must initialise it, but "
-            f"{type(root).__name__} has no init_parameter(name, full_tensor) method. Add one "
-            "(see [Note: per-parameter init] in tiny_fsdp/models/gpt2.py) or build the model on a "
-            "real device."
-        )
     full = torch.empty(param.shape, dtype=param.dtype, device=_meta_device(device))
     init(name, full)
     return full

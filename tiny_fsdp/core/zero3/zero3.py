@@ -27,7 +27,13 @@ from torch import nn
 from tiny_fsdp.core import comm, streams
 from tiny_fsdp.core.fetching_wrapper import FetchingWrapper
 from tiny_fsdp.core.local_state import LocalPiece
-from tiny_fsdp.core.meta_buffers import has_meta_buffers, materialize_buffers
+from tiny_fsdp.core.meta_init import (
+    MetaInitError,
+    ModuleInit,
+    has_meta_buffers,
+    materialize_buffers,
+    raise_on_every_rank,
+)
 from tiny_fsdp.core.precision import MixedPrecisionPolicy
 from tiny_fsdp.core.reductions import ReduceStats
 from tiny_fsdp.core.unit_layout import UnitSpec
@@ -44,8 +50,9 @@ class Zero3(FetchingWrapper):
         module: the model; a normal one (every rank builds the same weights, e.g. same seed; the
             owner keeps its tensors) or one built on the ``meta`` device, in which case each
             owner allocates its tensors and fills them with ``module.init_parameter(name,
-            tensor)``, so the whole model never exists on one rank; its buffers are made real
-            by the model's own initialisation ([Note: meta buffers]).
+            tensor)``, else the model's own init of each module ([Note: meta parameters]), so
+            the whole model never exists on one rank; its buffers are made real by the
+            model's own initialisation ([Note: meta buffers]).
         param_part_table: name -> owner rank for every ``module.named_parameters()`` name, as
             returned by ``zero3_partition_tensors``; its ``ranks_map`` device (if given) is
             where this rank's tensors live. Omitted: ``zero3_partition_tensors(
@@ -157,13 +164,9 @@ class Zero3(FetchingWrapper):
         """Keep (or create) the owned tensors on ``device``; leave (0,) tensors elsewhere."""
         rt = self._runtime
         init = getattr(self.module, "init_parameter", None)
-        meta = [name for name, param in named if param.is_meta]
-        if meta and init is None:  # checked on every rank, owner or not: all raise alike
-            raise ValueError(
-                f"{type(self.module).__name__} was built on the meta device but has no "
-                f"init_parameter(name, tensor) method to initialise {meta[:3]} on their owners; "
-                "add one or build the model normally"
-            )
+        init = init or ModuleInit(self.module, device, "Zero3")  # [Note: meta parameters]
+        on_meta = any(param.is_meta for _, param in named)
+        failed = None  # ModuleInit's error on this rank, raised on all after the loop
         if has_meta_buffers(self.module):  # [Note: meta buffers]; before the parameters
             materialize_buffers(self.module, device, "Zero3")
         for name, param in named:
@@ -173,7 +176,10 @@ class Zero3(FetchingWrapper):
                 shape = info.shape if owned else (0,)
                 data = torch.empty(shape, dtype=param.dtype, device=device)
                 if owned:
-                    init(name, data)
+                    try:
+                        init(name, data)
+                    except MetaInitError as error:
+                        failed = failed or str(error)
                 # A meta Parameter cannot take real data in place: swap the object, in every
                 # module that holds it (both ends of a tied pair).
                 new = nn.Parameter(data, requires_grad=param.requires_grad)
@@ -188,6 +194,8 @@ class Zero3(FetchingWrapper):
                     comm.broadcast_into(data, src=0)
                 param.data = data if owned else torch.empty(0, dtype=param.dtype, device=device)
             setattr(param, ATTR, info)
+        if isinstance(init, ModuleInit) and on_meta:
+            raise_on_every_rank(failed)
 
     # ---------------------------------------------------------------- what this rank holds
     def _info(self, param: torch.Tensor) -> TensorInfo:
