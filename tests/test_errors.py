@@ -203,6 +203,25 @@ def _broadcast_into_tensors_of_any_layout(rank: int, world_size: int) -> None:
     assert not scrambled, f"rank {rank} received scrambled values: {scrambled}"
 
 
+def _moved_after_wrapping(strategy: str, how: str) -> Callable[[int, int], None]:
+    """``how``: "to-meta" / "to_empty" (raise: they would replace the strategy's tensors), or
+    "same-device" (``to("cpu")`` and ``cpu()`` on a CPU model: no-ops, values kept)."""
+
+    def run(rank: int, world_size: int) -> None:
+        wrapped, _ = build(strategy, make_model(), None)
+        if how == "to-meta":
+            wrapped.to("meta")
+        elif how == "to_empty":
+            wrapped.to_empty(device="cpu")
+        else:
+            before = wrapped.state_dict()
+            assert wrapped.to("cpu") is wrapped and wrapped.cpu() is wrapped
+            after = wrapped.state_dict()
+            assert all(torch.equal(before[k], after[k]) for k in before)
+
+    return run
+
+
 CASES: Dict[str, Callable[[int, int], None]] = {
     **{f"unsupported-{s}": _case_unsupported(s) for s in STRATEGIES},
     **{
@@ -227,6 +246,11 @@ CASES: Dict[str, Callable[[int, int], None]] = {
     "batch-longer-than-block": _fsdp_batch_longer_than_block_size,
     "collective-non-contiguous": _collective_of_a_transposed_tensor,
     "broadcast-into-any-layout": _broadcast_into_tensors_of_any_layout,
+    **{
+        f"moved-{how}-{s}": _moved_after_wrapping(s, how)
+        for s in STRATEGIES
+        for how in ["to-meta", "to_empty", "same-device"]
+    },
 }
 
 # case -> (exception type, message regex). A message must say what is wrong AND how to fix it.
@@ -271,6 +295,17 @@ EXPECTED: Dict[str, Tuple[type, str]] = {
         r"broadcast: tensor of shape \(2, 3\).*not contiguous",
     ),
     "broadcast-into-any-layout": (type(None), ""),  # [Note: contiguous payloads]
+    **{
+        f"moved-to-meta-{s}": (RuntimeError, r"cannot move or replace 'transformer.wte.weight' "
+                               r"\(cpu\) after wrapping.*Move the model before wrapping")
+        for s in STRATEGIES
+    },  # fmt: skip
+    **{
+        f"moved-to_empty-{s}": (RuntimeError, r"to_empty\(\) would wipe every parameter.*"
+                                r"load_state_dict\(\)")
+        for s in STRATEGIES
+    },  # fmt: skip
+    **{f"moved-same-device-{s}": (type(None), "") for s in STRATEGIES},
 }
 
 

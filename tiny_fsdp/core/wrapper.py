@@ -16,6 +16,10 @@ know from PyTorch DDP / FSDP:
   inputs are cast on entry.
   ``half()`` / ``bfloat16()`` / ``double()`` / ``to(dtype)`` raise and point to the policy
   (``float()`` too, unless it would change nothing).
+- Moves: a wrapper's parameters are tied to the strategy's buffers (flat buffers, shards), so
+  ``to(device)`` / ``cuda()`` / ``cpu()`` that would replace any tensor raise and say to move
+  the model before wrapping (one that changes nothing is a no-op), and ``to_empty()``, which
+  would wipe every value (FSDP / ZeRO-3 have already materialised a meta model), raises too.
 
 ``state_dict()`` / ``load_state_dict()`` use the plain model's keys and full tensors; they are
 written once, here, from what each strategy says it holds ([Note: strategy state]).
@@ -281,3 +285,23 @@ class DataParallelWrapper(nn.Module):
         if dtype is not None:
             raise low_precision_error(f"{type(self).__name__}.to({dtype})")
         return super().to(*args, **kwargs)
+
+    def _apply(self, fn: Any, recurse: bool = True) -> "DataParallelWrapper":
+        """``to(device)``, ``cuda()``, ``cpu()``...: allowed only where they change nothing."""
+        for name, tensor in [*self.module.named_parameters(), *self.module.named_buffers()]:
+            if fn(tensor) is not tensor:
+                raise RuntimeError(
+                    f"{type(self).__name__}: cannot move or replace '{name}' ({tensor.device}) "
+                    "after wrapping: the strategy's buffers hold the parameters. Move the model "
+                    "before wrapping it (model.to(device), then wrap)."
+                )
+        return self
+
+    def to_empty(self, *, device: Any, recurse: bool = True) -> "DataParallelWrapper":
+        raise RuntimeError(
+            f"{type(self).__name__}.to_empty() would wipe every parameter. A model built on "
+            "meta is materialised when FSDP / Zero3 wrap it (by model.init_parameter or the "
+            "model's own init, [Note: meta parameters]); load a checkpoint with "
+            "load_state_dict(). DDP and ZeRO-1/2 take a real model: to_empty() and initialise "
+            "it before wrapping."
+        )

@@ -131,7 +131,8 @@ def check_backend_device(
                 f"{what}: parameter '{name}' is on the meta device (no data), and {what} does "
                 "not materialise parameters. Build the model on a real device, or materialise "
                 "it first (model.to_empty(device=...) then initialise it), or use FSDP / Zero3, "
-                "which initialise a meta model with model.init_parameter(name, tensor)."
+                "which initialise a meta model one tensor at a time (model.init_parameter(name, "
+                "tensor), else the model's own init of each module)."
             )
         if backend == "nccl" and kind != "cuda":
             raise ValueError(
