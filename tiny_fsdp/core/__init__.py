@@ -8,6 +8,8 @@ The earlier Tiny-FSDP imports keep working::
     from tiny_fsdp.core import FSDP, FSDPAdamW
 """
 
+from tiny_fsdp.core import clip
+from tiny_fsdp.core.clip import clip_grad_norm_
 from tiny_fsdp.core.ddp import DDP, DDPSGD, DDPAdamW
 from tiny_fsdp.core.fsdp import FSDP, FSDPSGD, FSDPAdamW
 from tiny_fsdp.core.module import (
@@ -35,7 +37,10 @@ from tiny_fsdp.core.utils.failure import (
 from tiny_fsdp.core.zero import Zero1, Zero1AdamW, Zero1SGD, Zero2, Zero2AdamW, Zero2SGD
 from tiny_fsdp.core.zero3 import Zero3, Zero3AdamW, Zero3SGD, zero3_partition_tensors
 
+clip.install()  # torch.nn.utils.clip_grad_norm_ over ranks ([Note: clipping with torch's function])
+
 __all__ = [
+    "clip_grad_norm_",
     "SGD",
     "AdamW",
     "DDP",

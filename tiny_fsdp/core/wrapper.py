@@ -43,6 +43,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from tiny_fsdp.core.clip import HeldGrads, clip_grad_norm_
 from tiny_fsdp.core.local_state import LocalPiece, replicated_piece
 from tiny_fsdp.core.module import convert_module
 from tiny_fsdp.core.ownership import owner_of, tag_owner
@@ -176,6 +177,17 @@ class DataParallelWrapper(nn.Module):
 
     def saved_piece(self, param: torch.Tensor) -> Optional[LocalPiece]:
         return replicated_piece(param, dist.get_rank(), saving=True)
+
+    def held_grads(self, params: Sequence[torch.Tensor]) -> HeldGrads:
+        """The gradients of ``params`` (this wrapper's) that this rank holds, for a norm over
+        ranks ([Note: clipping with torch's function])."""
+        return HeldGrads([p.grad for p in params if p.grad is not None], sharded=False)
+
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+        """Clip the gradients of every parameter by their total norm over all ranks (as torch
+        FSDP's method; the same as ``torch.nn.utils.clip_grad_norm_(model.parameters(), ...)``
+        once tiny_fsdp is imported). Call it on every rank; returns the norm."""
+        return clip_grad_norm_(self.parameters(), max_norm, norm_type)
 
     def before_load(self) -> None:
         """Parameters are about to be overwritten: drop what was derived from them."""

@@ -21,7 +21,7 @@ With a 2-D ``mesh`` (replicas, shard_size) the same happens inside each shard gr
 reduced gradient shards are all-reduced across the replicas ([Note: hybrid sharding]).
 """
 
-from typing import Any, Dict, Iterable, Optional, Tuple, Union
+from typing import Any, Dict, Iterable, Optional, Sequence, Tuple, Union
 
 import torch
 import torch.distributed as dist
@@ -34,6 +34,7 @@ from tiny_fsdp.core.fsdp.sharded_param import shard_info, shard_module
 from tiny_fsdp.core.fsdp.state import FSDPState
 from tiny_fsdp.core.fsdp.unit import GatherUnit
 from tiny_fsdp.core.fsdp.grads import ReduceScatterGrads
+from tiny_fsdp.core.clip import HeldGrads
 from tiny_fsdp.core.local_state import LocalPiece
 from tiny_fsdp.core.precision import MixedPrecisionPolicy
 from tiny_fsdp.core.utils.dist import require_process_group
@@ -196,6 +197,11 @@ class FSDP(FetchingWrapper):
     def saved_piece(self, param: torch.Tensor) -> Optional[LocalPiece]:
         """Replica 0 writes its shard group's pieces; the other replicas hold the same."""
         return self.local_piece(param) if self._state.groups.replicate_rank == 0 else None
+
+    def held_grads(self, params: Sequence[torch.Tensor]) -> HeldGrads:
+        """The shards' gradients (padding rows are zero): each element once per shard group."""
+        grads = [p.grad for p in params if p.grad is not None]
+        return HeldGrads(grads, sharded=True, group=self._state.groups.shard_group)
 
 
 def _check_group(world_size: Optional[int], rank: Optional[int]) -> None:

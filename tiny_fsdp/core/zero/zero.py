@@ -24,6 +24,7 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from tiny_fsdp.core import comm
 from tiny_fsdp.core.bucketed_backward import BucketedBackward
+from tiny_fsdp.core.clip import HeldGrads
 from tiny_fsdp.core.precision import MixedPrecisionPolicy
 from tiny_fsdp.core.reductions import ReduceStats
 from tiny_fsdp.core.local_state import LocalPiece, replicated_piece
@@ -263,6 +264,20 @@ class ZeroWrapper(ReplicatedWrapper):
         return (
             None if piece is None else LocalPiece(piece.param_start, self.param_buffer.piece(piece))
         )
+
+    def held_grads(self, params: Sequence[torch.Tensor]) -> HeldGrads:
+        """After a synchronised backward: the reduced gradients of the owned pieces (each
+        element on one rank; none for a parameter no rank had a gradient for). Before one
+        (``no_sync``): the local ``.grad``, as torch DDP's."""
+        if not self.grads_reduced:
+            return super().held_grads(params)
+        grads = []
+        for param in params:
+            index = self._index.get(id(param))
+            piece = None if index is None else self.owned_pieces.get(index)
+            if piece is not None and index not in self.params_without_grad:
+                grads.append(self.reduced_grad(piece))
+        return HeldGrads(grads, sharded=True)
 
     def after_load(self) -> None:
         for optimizer in list(self._optimizers):

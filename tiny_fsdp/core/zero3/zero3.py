@@ -18,13 +18,14 @@ layers: the broadcasts and reduces of all ranks must pair up). Gradient sync is 
 """
 
 import warnings
-from typing import Any, Dict, List, Mapping, Optional, Tuple
+from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
 from tiny_fsdp.core import comm, streams
+from tiny_fsdp.core.clip import HeldGrads
 from tiny_fsdp.core.fetching_wrapper import FetchingWrapper
 from tiny_fsdp.core.local_state import LocalPiece
 from tiny_fsdp.core.meta_init import (
@@ -219,6 +220,15 @@ class Zero3(FetchingWrapper):
 
     def saved_piece(self, param: torch.Tensor) -> Optional[LocalPiece]:
         return self.local_piece(param)
+
+    def held_grads(self, params: Sequence[torch.Tensor]) -> HeldGrads:
+        """The owned tensors' gradients: each element on its owner only."""
+        grads = [
+            p.grad
+            for p in params
+            if p.grad is not None and self._info(p).owner == self._runtime.rank
+        ]
+        return HeldGrads(grads, sharded=True)
 
 
 def _aliases(module: nn.Module) -> Dict[str, str]:

@@ -1,0 +1,124 @@
+"""Specification: ``torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)`` clips every
+wrapper's gradients as under torch's DDP ([Note: clipping with torch's function]).
+
+The oracle: torch's ``DistributedDataParallel`` + ``torch.optim.SGD`` + torch's own clipping
+on the same batches. SGD with momentum, not AdamW: Adam's update barely changes when all
+gradients are scaled by one factor, so it would hide a wrong clip; SGD's is proportional to it.
+Every step clips (``MAX_NORM`` 0.1 is below every norm). Every case runs through the wrapper's
+sharded path where it has one: FSDP shards (uneven at 3 ranks: padding
+rows), ZeRO-3 owned tensors, ZeRO-1/2 owned chunks (ZeRO-2 keeps no ``.grad``).
+"""
+
+import copy
+import math
+from typing import Dict, List, Tuple
+
+import pytest
+import torch
+from torch import nn
+
+from tests.build import build, sgd
+from tests.harness import run_distributed
+from tests.parity import LOSS_ATOL, PARAM_ATOL
+
+STRATEGIES = ["ddp", "zero1", "zero2", "zero3", "fsdp"]
+MAX_NORM = 0.1
+STEPS = 3
+SGD = dict(lr=0.1, momentum=0.9)
+# The norm is summed over ranks in another order than torch's (per-shard norms, then an
+# all-reduce): float32 rounding, ~1e-7 relative.
+NORM_RTOL = 1e-5
+# (norm_type, which parameters are clipped, how the step's gradients are made)
+CASES = [
+    (2.0, "all", "one backward"),
+    (math.inf, "all", "one backward"),
+    (1.0, "weights", "one backward"),  # a subset: the biases are stepped unclipped
+    (2.0, "all", "no_sync then a synchronised backward"),
+    (2.0, "all", "model.clip_grad_norm_"),
+]
+
+
+def _model() -> nn.Module:
+    torch.manual_seed(0)
+    # Rows 13 and 5 split unevenly over 2 and 3 ranks.
+    return nn.Sequential(
+        nn.Linear(7, 13), nn.GELU(), nn.Linear(13, 13), nn.GELU(), nn.Linear(13, 5)
+    )
+
+
+def _clipped(model: nn.Module, which: str) -> List[nn.Parameter]:
+    return [p for n, p in model.named_parameters() if which == "all" or n.endswith("weight")]
+
+
+def _train(model, optimizer, rank: int, case: Tuple[float, str, str]) -> Tuple[List, List]:
+    norm_type, which, how = case
+    gen = torch.Generator().manual_seed(rank)
+    losses, norms = [], []
+    for _ in range(STEPS):
+        xs = [torch.randn(4, 7, generator=gen) * 10 for _ in range(2)]
+        optimizer.zero_grad()
+        if how.startswith("no_sync"):
+            with model.no_sync():
+                model(xs[0]).square().mean().backward()
+        loss = model(xs[1]).square().mean()
+        loss.backward()
+        if how == "model.clip_grad_norm_" and hasattr(model, "clip_grad_norm_"):  # not torch's
+            norm = model.clip_grad_norm_(MAX_NORM, norm_type)
+        else:
+            norm = torch.nn.utils.clip_grad_norm_(_clipped(model, which), MAX_NORM, norm_type)
+        optimizer.step()
+        losses.append(loss.item())
+        norms.append(float(norm))
+    return losses, norms
+
+
+def _worker(rank: int, world_size: int) -> List[str]:
+    seen = []
+    for case in CASES:
+        torch_ddp = nn.parallel.DistributedDataParallel(_model())
+        reference = torch.optim.SGD(torch_ddp.parameters(), **SGD)
+        ref_losses, ref_norms = _train(torch_ddp, reference, rank, case)
+        ref_state = torch_ddp.module.state_dict()
+        for strategy in STRATEGIES:
+            what = f"{strategy} {case} world={world_size}"
+            model, optimizer = build(strategy, copy.deepcopy(_model()), sgd(**SGD))
+            losses, norms = _train(model, optimizer, rank, case)
+            assert all(n > MAX_NORM for n in ref_norms), f"{what}: no clip to check"
+            for ours, ref in zip(norms, ref_norms):
+                assert abs(ours - ref) <= NORM_RTOL * ref, f"{what}: norm {ours} vs {ref}"
+            for ours, ref in zip(losses, ref_losses):
+                assert abs(ours - ref) <= LOSS_ATOL, f"{what}: loss {ours} vs {ref}"
+            state = model.state_dict()
+            for key, ref in ref_state.items():
+                gap = (state[key] - ref).abs().max().item()
+                assert gap <= PARAM_ATOL, f"{what}: {key} differs by {gap:.2e}"
+            seen.append(what)
+    return seen
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_torch_clip_grad_norm_clips_every_wrapper_as_torch_ddp(world_size: int) -> None:
+    assert len(run_distributed(_worker, world_size)[0]) == len(CASES) * len(STRATEGIES)
+
+
+def _nonfinite_worker(rank: int, world_size: int) -> Dict[str, str]:
+    """A NaN gradient on rank 1 only: every rank's norm is NaN after the reduction, so
+    ``error_if_nonfinite`` raises on every rank (none walks on into the next collective)."""
+    raised = {}
+    for strategy in STRATEGIES:
+        model, _ = build(strategy, _model(), sgd(**SGD))
+        x = torch.randn(4, 7)
+        if rank == 1:
+            x[0, 0] = math.nan
+        model(x).square().mean().backward()
+        try:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM, error_if_nonfinite=True)
+        except RuntimeError as error:
+            raised[strategy] = str(error)
+    return raised
+
+
+def test_a_nonfinite_norm_raises_on_every_rank() -> None:
+    for raised in run_distributed(_nonfinite_worker, 2):
+        assert sorted(raised) == sorted(STRATEGIES)
+        assert all("is non-finite, so it cannot be clipped" in m for m in raised.values())
