@@ -1,5 +1,6 @@
-"""Specification: ``torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)`` clips every
-wrapper's gradients as under torch's DDP ([Note: clipping with torch's function]).
+"""Specification: ``torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)`` and
+``clip_grad_value_`` clip every wrapper's gradients as under torch's DDP ([Note: clipping with
+torch's function]).
 
 The oracle: torch's ``DistributedDataParallel`` + ``torch.optim.SGD`` + torch's own clipping
 on the same batches. SGD with momentum, not AdamW: Adam's update barely changes when all
@@ -35,7 +36,9 @@ CASES = [
     (1.0, "weights", "one backward"),  # a subset: the biases are stepped unclipped
     (2.0, "all", "no_sync then a synchronised backward"),
     (2.0, "all", "model.clip_grad_norm_"),
+    (None, "all", "clip_grad_value_"),  # elementwise: every element > VALUE is clamped
 ]
+VALUE = 1e-3
 
 
 def _model() -> nn.Module:
@@ -62,7 +65,11 @@ def _train(model, optimizer, rank: int, case: Tuple[float, str, str]) -> Tuple[L
                 model(xs[0]).square().mean().backward()
         loss = model(xs[1]).square().mean()
         loss.backward()
-        if how == "model.clip_grad_norm_" and hasattr(model, "clip_grad_norm_"):  # not torch's
+        if how == "clip_grad_value_":
+            grads = [p.grad for p in model.parameters() if p.grad is not None]
+            norm = sum(int((g.abs() > VALUE).sum()) for g in grads)  # elements to clamp here
+            torch.nn.utils.clip_grad_value_(model.parameters(), VALUE)
+        elif how == "model.clip_grad_norm_" and hasattr(model, "clip_grad_norm_"):  # not torch's
             norm = model.clip_grad_norm_(MAX_NORM, norm_type)
         else:
             norm = torch.nn.utils.clip_grad_norm_(_clipped(model, which), MAX_NORM, norm_type)
@@ -83,9 +90,10 @@ def _worker(rank: int, world_size: int) -> List[str]:
             what = f"{strategy} {case} world={world_size}"
             model, optimizer = build(strategy, copy.deepcopy(_model()), sgd(**SGD))
             losses, norms = _train(model, optimizer, rank, case)
-            assert all(n > MAX_NORM for n in ref_norms), f"{what}: no clip to check"
-            for ours, ref in zip(norms, ref_norms):
-                assert abs(ours - ref) <= NORM_RTOL * ref, f"{what}: norm {ours} vs {ref}"
+            assert all(n > MAX_NORM for n in ref_norms), f"{what}: no clip to check"  # or count
+            if case[2] != "clip_grad_value_":  # there: elements clamped by torch DDP's clip
+                for ours, ref in zip(norms, ref_norms):
+                    assert abs(ours - ref) <= NORM_RTOL * ref, f"{what}: norm {ours} vs {ref}"
             for ours, ref in zip(losses, ref_losses):
                 assert abs(ours - ref) <= LOSS_ATOL, f"{what}: loss {ours} vs {ref}"
             state = model.state_dict()

@@ -9,7 +9,7 @@ The earlier Tiny-FSDP imports keep working::
 """
 
 from tiny_fsdp.core import clip
-from tiny_fsdp.core.clip import clip_grad_norm_
+from tiny_fsdp.core.clip import clip_grad_norm_, clip_grad_value_
 from tiny_fsdp.core.ddp import DDP, DDPSGD, DDPAdamW
 from tiny_fsdp.core.fsdp import FSDP, FSDPSGD, FSDPAdamW
 from tiny_fsdp.core.module import (
@@ -41,6 +41,7 @@ clip.install()  # torch.nn.utils.clip_grad_norm_ over ranks ([Note: clipping wit
 
 __all__ = [
     "clip_grad_norm_",
+    "clip_grad_value_",
     "SGD",
     "AdamW",
     "DDP",

@@ -14,8 +14,10 @@ holds and whether the ranks hold each element once (``HeldGrads``). The norm is 
 of the replicated ones combined with the sharded ones' norm summed over the group (``p``-th
 powers; the maximum for ``inf``), and every held gradient is scaled in place by
 ``min(1, max_norm / (norm + 1e-6))``, torch's arithmetic. Every rank must call it (it
-all-reduces), as with FSDP2. A script that imported torch's function by name before
-importing tiny_fsdp keeps torch's: ``tiny_fsdp.core.clip_grad_norm_`` is the same function.
+all-reduces), as with FSDP2. ``clip_grad_value_`` likewise clamps the held gradients
+(element by element: no communication; under ZeRO-2 torch's found none and raised). A script
+that imported torch's functions by name before importing tiny_fsdp keeps torch's:
+``tiny_fsdp.core.clip_grad_norm_`` / ``clip_grad_value_`` are the same functions.
 """
 
 import math
@@ -28,6 +30,7 @@ from tiny_fsdp.core import comm
 from tiny_fsdp.core.ownership import owner_of
 
 _TORCH_CLIP = torch.nn.utils.clip_grad_norm_
+_TORCH_CLIP_VALUE = torch.nn.utils.clip_grad_value_
 
 
 class HeldGrads(NamedTuple):
@@ -52,13 +55,7 @@ def clip_grad_norm_(
     """``torch.nn.utils.clip_grad_norm_`` for parameters of any wrapper ([Note: clipping with
     torch's function]); returns the total norm (0-d float32)."""
     params = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
-    by_owner: Dict[int, List[torch.Tensor]] = {}
-    owners: Dict[int, Any] = {}
-    for param in params:
-        owner = owner_of(param)
-        owners[id(owner)] = owner
-        by_owner.setdefault(id(owner), []).append(param)
-    if all(owner is None for owner in owners.values()):
+    if all(owner_of(param) is None for param in params):
         return _TORCH_CLIP(params, max_norm, norm_type, error_if_nonfinite, foreach)
     p = float(norm_type)
     if not (p > 0):
@@ -66,12 +63,7 @@ def clip_grad_norm_(
     replicated: List[torch.Tensor] = []
     sharded: List[torch.Tensor] = []
     groups: Dict[int, Any] = {}
-    for key, owned in by_owner.items():
-        owner = owners[key]
-        if owner is None:
-            held = HeldGrads([q.grad for q in owned if q.grad is not None], sharded=False)
-        else:
-            held = owner.held_grads(owned)
+    for held in _held_grads(params):
         if held.sharded:
             groups[id(held.group)] = held.group
         (sharded if held.sharded else replicated).extend(g.detach() for g in held.grads)
@@ -104,6 +96,41 @@ def clip_grad_norm_(
     return total
 
 
+@torch.no_grad()
+def clip_grad_value_(
+    parameters: Union[torch.Tensor, Iterable[torch.Tensor]],
+    clip_value: float,
+    foreach: Optional[bool] = None,
+) -> None:
+    """``torch.nn.utils.clip_grad_value_`` for parameters of any wrapper: every gradient
+    element a rank holds clamped to ``[-clip_value, clip_value]``."""
+    params = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
+    if all(owner_of(param) is None for param in params):
+        return _TORCH_CLIP_VALUE(params, clip_value, foreach)
+    for held in _held_grads(params):
+        for grad in held.grads:
+            grad.detach().clamp_(min=-clip_value, max=clip_value)
+    return None
+
+
+def _held_grads(params: List[torch.Tensor]) -> List[HeldGrads]:
+    """What this rank holds of ``params``' gradients, per wrapper (and for parameters of none)."""
+    by_owner: Dict[int, List[torch.Tensor]] = {}
+    owners: Dict[int, Any] = {}
+    for param in params:
+        owner = owner_of(param)
+        owners[id(owner)] = owner
+        by_owner.setdefault(id(owner), []).append(param)
+    return [
+        (
+            HeldGrads([q.grad for q in owned if q.grad is not None], sharded=False)
+            if owners[key] is None
+            else owners[key].held_grads(owned)
+        )
+        for key, owned in by_owner.items()
+    ]
+
+
 def _local_norm(grads: List[torch.Tensor], p: float, device: torch.device) -> torch.Tensor:
     """The ``p``-norm of all elements of ``grads`` (as torch's ``get_total_norm``), float32."""
     if not grads:
@@ -113,6 +140,7 @@ def _local_norm(grads: List[torch.Tensor], p: float, device: torch.device) -> to
 
 
 def install() -> None:
-    """Put ``clip_grad_norm_`` in torch's place (see the note)."""
-    torch.nn.utils.clip_grad_norm_ = clip_grad_norm_
-    torch.nn.utils.clip_grad.clip_grad_norm_ = clip_grad_norm_
+    """Put ``clip_grad_norm_`` and ``clip_grad_value_`` in torch's place (see the note)."""
+    for module in (torch.nn.utils, torch.nn.utils.clip_grad):
+        module.clip_grad_norm_ = clip_grad_norm_
+        module.clip_grad_value_ = clip_grad_value_
