@@ -39,6 +39,14 @@ backward that accumulates into no parameter (``autograd.grad`` for an input) set
 aside ([Note: backward for inputs only]); one that bypassed the wrapper's output finds nothing
 set aside and raises.
 
+[Note: one optimizer of several]
+A model may be stepped by several optimizers (AdamW for matrices, SGD for the rest), each
+cleared after its step: ``opt_a.step(); opt_a.zero_grad(); opt_b.step()``. As in torch, an
+optimizer's ``zero_grad`` clears its own parameters' gradients only: their owned pieces are
+zeroed (so a backward before the step carries nothing of them) and, with ``set_to_none``, they
+count as without gradient (the next step skips them, as torch.optim skips a ``.grad`` of None).
+Once every parameter has been cleared since the last reduction, the store is cleared whole.
+
 A parameter unused in a rank's forward contributes zeros, so the average is right when another
 rank used it. When NO rank had a gradient for it (a branch no rank took, a module never
 called), torch.optim would find ``.grad`` None and skip it: no step, no weight decay, no
@@ -50,7 +58,7 @@ waits for a GPU).
 """
 
 from abc import ABC, abstractmethod
-from typing import Any, Dict, FrozenSet, List, Optional, Sequence
+from typing import Any, Dict, FrozenSet, Iterable, List, Optional, Sequence, Set
 
 import torch
 from torch import nn
@@ -112,6 +120,8 @@ class ZeroGradStore(ABC):
         # Set aside by a backward before the step: chunk per bucket, and its without_grad.
         self._carry: Optional[List[torch.Tensor]] = None
         self._carry_without: FrozenSet[int] = frozenset()
+        self._owned = layout.pieces(rank)
+        self._cleared: Set[int] = set()  # cleared by some optimizers since the last reduction
 
     def set_aside(self) -> None:
         """Before a backward through the model's output: reduced gradients not cleared since are
@@ -120,7 +130,7 @@ class ZeroGradStore(ABC):
             return
         self._carry = [self._out(b).clone() for b in range(len(self.layout.buckets))]
         self._carry_without = self.without_grad
-        self._clear(set_to_none=True)
+        self._clear(True, range(len(self.params)))
         self.reduced = False
 
     def begin(self, sync: bool) -> None:
@@ -155,6 +165,7 @@ class ZeroGradStore(ABC):
     def end(self, sync: bool) -> None:
         if sync:
             self.reduced = True
+            self._cleared = set()
             self.without_grad = self._params_no_rank_had_a_grad_for()
             if self._carry is not None:
                 self.without_grad &= self._carry_without
@@ -177,11 +188,25 @@ class ZeroGradStore(ABC):
         self._has_grad = [False] * len(self.params)
 
     @torch.no_grad()
-    def zero_grad(self, set_to_none: bool = True) -> None:
-        """Clear the gradients (the reduced ones included) before the next backward."""
-        self._clear(set_to_none)
-        self.reduced = False
-        self._carry = None
+    def zero_grad(self, set_to_none: bool = True, indices: Optional[Sequence[int]] = None) -> None:
+        """Clear the gradients (the reduced ones included) before the next backward;
+        ``indices``: only those parameters' ([Note: one optimizer of several])."""
+        everything = range(len(self.params))
+        self._cleared |= set(everything if indices is None else indices)
+        if len(self._cleared) == len(self.params):
+            self._clear(set_to_none, everything)
+            self.reduced = False
+            self._carry = None
+            self._cleared = set()
+            return
+        subset = frozenset(indices or ())
+        self._clear(set_to_none, subset)
+        if self.reduced:  # zeros, so that a backward before the step carries nothing of them
+            for piece in self._owned:
+                if piece.index in subset:
+                    self.reduced_grad(piece).zero_()
+            if set_to_none:  # as a .grad of None: the optimizer skips them
+                self.without_grad = self.without_grad | subset
 
     # ------------------------------------------------------------------ per stage
 
@@ -210,8 +235,9 @@ class ZeroGradStore(ABC):
         """(chunk,) where this rank's chunk of the sum of ``bucket`` lands."""
 
     @abstractmethod
-    def _clear(self, set_to_none: bool) -> None:
-        """Clear the gradients this store keeps (see ``zero_grad``)."""
+    def _clear(self, set_to_none: bool, indices: Iterable[int]) -> None:
+        """Clear the gradients this store keeps for the parameters ``indices`` (see
+        ``zero_grad``)."""
 
 
 class FullGradBuffer(ZeroGradStore):
@@ -257,12 +283,12 @@ class FullGradBuffer(ZeroGradStore):
     def _out(self, bucket: int) -> torch.Tensor:
         return self.buffer.chunk(bucket, self.rank)
 
-    def _clear(self, set_to_none: bool) -> None:
+    def _clear(self, set_to_none: bool, indices: Iterable[int]) -> None:
         # set_to_none: the buffer is overwritten by the next backward, not zeroed now.
-        if not set_to_none:
-            self.buffer.data.zero_()
-        for i, p in enumerate(self.params):
-            p.grad = None if set_to_none else self.buffer.view(i)
+        for i in indices:
+            if not set_to_none:
+                self.buffer.view(i).zero_()
+            self.params[i].grad = None if set_to_none else self.buffer.view(i)
 
 
 class StagedGradShard(ZeroGradStore):
@@ -346,9 +372,10 @@ class StagedGradShard(ZeroGradStore):
     def _out(self, bucket: int) -> torch.Tensor:
         return shard_chunk(self.shard, self.layout, bucket)
 
-    def _clear(self, set_to_none: bool) -> None:
+    def _clear(self, set_to_none: bool, indices: Iterable[int]) -> None:
         # The shard needs no clearing: the next reduction overwrites it.
-        for p in self.params:
+        for i in indices:
+            p = self.params[i]
             if set_to_none:
                 p.grad = None
             elif p.grad is not None:

@@ -187,8 +187,10 @@ class _ZeroOptimizer:
         ]
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        """Clear the wrapped model's gradients (see ``ZeroWrapper.zero_grad``)."""
-        self._wrapper.zero_grad(set_to_none)
+        """Clear the gradients of this optimizer's parameters (see ``ZeroWrapper.zero_grad``;
+        [Note: one optimizer of several])."""
+        params = [p for group in self.param_groups for p in group["params"]]
+        self._wrapper.zero_grad(set_to_none, params)
 
     # ------------------------------------------------------------------ checkpoints
 

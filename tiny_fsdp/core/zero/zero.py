@@ -245,13 +245,19 @@ class ZeroWrapper(ReplicatedWrapper):
             if work is not None:
                 work.wait()
 
-    def zero_grad(self, set_to_none: bool = True) -> None:
-        """Clear the gradients (the reduced ones included) before the next backward.
+    def zero_grad(
+        self, set_to_none: bool = True, params: Optional[Sequence[torch.Tensor]] = None
+    ) -> None:
+        """Clear the gradients (the reduced ones included) before the next backward; ``params``:
+        only those ([Note: one optimizer of several]).
 
         ``set_to_none``: ``param.grad = None``. Otherwise ZeRO-1 zeroes its buffer and
         ``param.grad`` stays a view of it; ZeRO-2 zeroes the ``param.grad`` it kept.
         """
-        self._grads.zero_grad(set_to_none)
+        indices = None
+        if params is not None:
+            indices = [self._index[id(p)] for p in params if id(p) in self._index]
+        self._grads.zero_grad(set_to_none, indices)
 
     # ------------------------------------------------------------------ what this rank holds
 

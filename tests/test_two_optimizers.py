@@ -1,0 +1,110 @@
+"""Specification: a model stepped by two optimizers (AdamW for the matrices, SGD with momentum
+for the vectors) trains as under torch's DDP with torch.optim, whatever the order of their
+steps and ``zero_grad`` calls ([Note: one optimizer of several] for ZeRO-1/2, whose
+gradients live in one store: an optimizer's ``zero_grad`` used to clear the other's too).
+"""
+
+import copy
+from typing import Callable, Dict, List
+
+import torch
+from torch import nn
+
+from tests.harness import run_distributed
+from tests.parity import LOSS_ATOL, PARAM_ATOL
+
+STRATEGIES = {"ddp": "DDP", "zero1": "Zero1", "zero2": "Zero2", "zero3": "Zero3", "fsdp": "FSDP"}
+ADAMW = dict(lr=1e-2, weight_decay=0.1)
+SGD = dict(lr=0.1, momentum=0.9)
+
+
+def _step_all_then_clear_all(model, a, b, x) -> float:
+    loss = model(x[0]).square().mean()
+    loss.backward()
+    a.step(), b.step()
+    a.zero_grad(), b.zero_grad()
+    return loss.item()
+
+
+def _step_and_clear_each(model, a, b, x) -> float:
+    loss = model(x[0]).square().mean()
+    loss.backward()
+    a.step(), a.zero_grad()
+    b.step(), b.zero_grad()
+    return loss.item()
+
+
+def _clear_to_zeros_each(model, a, b, x) -> float:
+    loss = model(x[0]).square().mean()
+    loss.backward()
+    a.step(), a.zero_grad(set_to_none=False)  # b still steps on its gradients, a on zeros next
+    b.step(), b.zero_grad(set_to_none=False)
+    return loss.item()
+
+
+def _backward_between(model, a, b, x) -> float:
+    """a steps on batch 0; b on the sum of batches 0 and 1 (its gradients were not cleared)."""
+    loss = model(x[0]).square().mean()
+    loss.backward()
+    a.step(), a.zero_grad()
+    model(x[1]).square().mean().backward()
+    b.step(), a.step()
+    a.zero_grad(), b.zero_grad()
+    return loss.item()
+
+
+ORDERS: Dict[str, Callable] = {
+    "step all, then clear all": _step_all_then_clear_all,
+    "step and clear each": _step_and_clear_each,
+    "clear each to zeros": _clear_to_zeros_each,
+    "a backward between the steps": _backward_between,
+}
+
+
+def _model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(
+        nn.Linear(7, 13), nn.GELU(), nn.Linear(13, 13), nn.GELU(), nn.Linear(13, 5)
+    )
+
+
+def _train(model: nn.Module, make, order: Callable, rank: int) -> List[float]:
+    named = list(model.named_parameters())
+    a = make("AdamW", [(n, p) for n, p in named if p.ndim == 2], ADAMW)
+    b = make("SGD", [(n, p) for n, p in named if p.ndim == 1], SGD)
+    gen = torch.Generator().manual_seed(rank)
+    return [order(model, a, b, torch.randn(2, 4, 7, generator=gen)) for _ in range(3)]
+
+
+def _worker(rank: int, world_size: int) -> List[str]:
+    from tiny_fsdp import core
+
+    seen = []
+    for name, order in ORDERS.items():
+        torch_ddp = nn.parallel.DistributedDataParallel(_model())
+
+        def torch_optim(kind, named, hyper):
+            return getattr(torch.optim, kind)([p for _, p in named], **hyper)
+
+        ref_losses = _train(torch_ddp, torch_optim, order, rank)
+        ref_state = torch_ddp.module.state_dict()
+        for strategy, wrapper in STRATEGIES.items():
+            what = f"{strategy}, {name}"
+            model = getattr(core, wrapper)(copy.deepcopy(_model()))
+
+            def own(kind, named, hyper):
+                return getattr(core, wrapper + kind)(named, **hyper)
+
+            losses = _train(model, own, order, rank)
+            for ours, ref in zip(losses, ref_losses):
+                assert abs(ours - ref) <= LOSS_ATOL, f"{what}: loss {ours} vs {ref}"
+            state = model.state_dict()
+            for key, ref in ref_state.items():
+                gap = (state[key] - ref).abs().max().item()
+                assert gap <= PARAM_ATOL, f"{what}: {key} differs by {gap:.2e}"
+            seen.append(what)
+    return seen
+
+
+def test_two_optimizers_train_as_under_torch_ddp_in_any_order() -> None:
+    assert len(run_distributed(_worker, 2)[0]) == len(ORDERS) * len(STRATEGIES)
