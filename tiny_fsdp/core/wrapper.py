@@ -230,7 +230,11 @@ class DataParallelWrapper(nn.Module):
         what = type(self).__name__
         if assign:
             # New parameter objects would lose the strategy's hooks, views and shards.
-            raise ValueError(f"{what}.load_state_dict does not support assign=True")
+            raise ValueError(
+                f"{what}.load_state_dict does not support assign=True: the parameters are real "
+                "from wrap time on (a meta model is materialised then), so leave assign out and "
+                "the values are copied into them"
+            )
         own = self.module.state_dict(keep_vars=True)
         missing = [key for key in own if key not in state_dict]
         unexpected = [key for key in state_dict if key not in own]
