@@ -7,10 +7,12 @@ the inner model, not the wrapper; it still trains like ``torch.nn.parallel.Distr
 """
 
 import copy
-from typing import Dict
+import os
+from typing import Dict, List
 
 import pytest
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
@@ -97,3 +99,32 @@ def _methods_worker(rank: int, world_size: int) -> Dict[str, float]:
 
 def test_the_models_methods_run_on_the_wrapper_and_train_as_torch_ddp() -> None:
     run_distributed(_methods_worker, 2)
+
+
+def _save_pretrained_worker(rank: int, world_size: int, directory: str) -> List[str]:
+    """Every rank calls ``model.save_pretrained``; what rank 0 wrote is the trained model."""
+    import transformers
+
+    from tests.zoo import hf_models
+
+    build_hf, loss_fn, _ = hf_models()["gpt2"]
+    saved = []
+    for strategy in STRATEGIES:
+        torch.manual_seed(0)
+        model, opt = build(strategy, build_hf(), sgd(lr=0.5))
+        loss_fn(model, _batch(0, rank), _batch(1, rank)).backward()
+        opt.step()
+        path = os.path.join(directory, strategy)
+        model.save_pretrained(path)
+        state = model.state_dict()  # gathers under FSDP / ZeRO-3: every rank
+        dist.barrier()  # rank 0 has written
+        back = transformers.GPT2LMHeadModel.from_pretrained(path).state_dict()
+        for key, value in back.items():
+            assert torch.equal(value, state[key]), (strategy, key)
+        saved.append(strategy)
+    return saved
+
+
+def test_save_pretrained_writes_the_full_model_under_every_wrapper(tmp_path) -> None:
+    pytest.importorskip("transformers")
+    assert run_distributed(_save_pretrained_worker, 2, str(tmp_path))[0] == list(STRATEGIES)

@@ -267,6 +267,15 @@ class DataParallelWrapper(nn.Module):
         self.after_load()
         return IncompatibleKeys(missing, unexpected)
 
+    def save_pretrained(self, save_directory: Any, *args: Any, **kwargs: Any) -> Any:
+        """A HuggingFace model's ``save_pretrained``, given the full tensors (its own
+        ``state_dict()`` would hold shards under FSDP / ZeRO-3). The state dict gathers there,
+        so every rank calls it; rank 0 writes."""
+        save = self.module.save_pretrained  # AttributeError for a model that has none
+        kwargs.setdefault("state_dict", self.state_dict())
+        kwargs["is_main_process"] = kwargs.get("is_main_process", True) and dist.get_rank() == 0
+        return save(save_directory, *args, **kwargs)
+
     @property
     def gradient_checkpointing(self) -> bool:
         return bool(getattr(self.module, "gradient_checkpointing", False))
