@@ -27,6 +27,7 @@ import torch
 import torch.distributed as dist
 
 from tiny_fsdp.core import comm
+from tiny_fsdp.core.optim.base import sum_of_squares
 from tiny_fsdp.core.ownership import owner_of
 
 _TORCH_CLIP = torch.nn.utils.clip_grad_norm_
@@ -53,7 +54,8 @@ def clip_grad_norm_(
     foreach: Optional[bool] = None,
 ) -> torch.Tensor:
     """``torch.nn.utils.clip_grad_norm_`` for parameters of any wrapper ([Note: clipping with
-    torch's function]); returns the total norm (0-d float32)."""
+    torch's function]); returns the total norm (0-d float32). ``foreach`` is passed on to
+    torch's function (parameters of no wrapper) and ignored otherwise."""
     params = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
     if all(owner_of(param) is None for param in params):
         return _TORCH_CLIP(params, max_norm, norm_type, error_if_nonfinite, foreach)
@@ -132,11 +134,19 @@ def _held_grads(params: List[torch.Tensor]) -> List[HeldGrads]:
 
 
 def _local_norm(grads: List[torch.Tensor], p: float, device: torch.device) -> torch.Tensor:
-    """The ``p``-norm of all elements of ``grads`` (as torch's ``get_total_norm``), float32."""
+    """The ``p``-norm of all elements of ``grads``, float32 on ``device``. L2 by the optimizers'
+    ``sum_of_squares`` (accurate on large CPU tensors, where torch's norm kernel is not), so
+    that torch's function and an optimizer's ``clip_grad_norm_`` agree; others as torch's
+    ``get_total_norm``."""
     if not grads:
         return torch.zeros((), dtype=torch.float32, device=device)
-    norms = [torch.linalg.vector_norm(g, p, dtype=torch.float32) for g in grads]
-    return torch.linalg.vector_norm(torch.stack([n.to(device) for n in norms]), p)
+    by_device: Dict[torch.device, List[torch.Tensor]] = {}
+    for grad in grads:
+        by_device.setdefault(grad.device, []).append(grad)
+    if p == 2.0:
+        return sum(sum_of_squares(g).to(device) for g in by_device.values()).sqrt()
+    norms = [torch.linalg.vector_norm(g, p, dtype=torch.float32).to(device) for g in grads]
+    return torch.linalg.vector_norm(torch.stack(norms), p)
 
 
 def install() -> None:

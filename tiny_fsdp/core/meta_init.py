@@ -38,13 +38,17 @@ init; a pretrained checkpoint is then loaded with ``load_state_dict``.
 """
 
 import math
-from typing import Callable, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
 from tiny_fsdp.core import comm
+
+
+class MetaInitError(ValueError):
+    """A parameter or buffer on ``meta`` that nothing initialises."""
 
 
 def has_meta_buffers(root: nn.Module) -> bool:
@@ -61,21 +65,16 @@ def materialize_buffers(root: nn.Module, device: torch.device, what: str) -> Non
             continue
         for name in meta:
             buffer = module._buffers[name]
-            real = torch.empty(buffer.shape, dtype=buffer.dtype, device=device)
-            if real.is_floating_point():
-                real.fill_(math.nan)
-            else:
-                real.zero_()
-            module._buffers[name] = real
+            module._buffers[name] = _unset(buffer.shape, buffer.dtype, device)
         init = _init_of(root, module)
         paths = [f"{names[id(module)]}.{n}".lstrip(".") for n in meta]
         if init is None:
-            raise ValueError(_missing(what, paths, module))
+            raise MetaInitError(_missing(what, "buffers", paths, module))
         with _scratch_params(module, device):
             init()
         unset = [p for p, n in zip(paths, meta) if _is_nan(module._buffers[n])]
         if unset:
-            raise ValueError(_missing(what, unset, module))
+            raise MetaInitError(_missing(what, "buffers", unset, module))
     if dist.get_world_size() > 1:
         for buffer in root.buffers():
             comm.broadcast_into(buffer, src=0)
@@ -145,9 +144,7 @@ class _scratch_params:
             if param is not None:
                 self.saved[name] = param
                 shape = _full_shape(self.shapes, self.module, name, param)
-                scratch = torch.empty(shape, dtype=param.dtype, device=self.device)
-                if scratch.is_floating_point() or scratch.is_complex():
-                    scratch.fill_(math.nan)
+                scratch = _unset(shape, param.dtype, self.device)
                 self.scratch[name] = scratch
                 self.module._parameters[name] = nn.Parameter(scratch, param.requires_grad)
         return self.scratch
@@ -175,13 +172,19 @@ def _full_shape(
     return param.shape if shapes is None else shapes[(id(module), attr)]
 
 
+def _unset(shape: Any, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A tensor no init has written yet: NaN where the dtype has one (see ``_is_nan``), else 0."""
+    tensor = torch.empty(shape, dtype=dtype, device=device)
+    return (
+        tensor.fill_(math.nan)
+        if tensor.is_floating_point() or tensor.is_complex()
+        else tensor.zero_()
+    )
+
+
 def _is_nan(tensor: torch.Tensor) -> bool:
     floating = tensor.is_floating_point() or tensor.is_complex()
     return floating and bool(torch.isnan(tensor).any())
-
-
-class MetaInitError(ValueError):
-    """A parameter or buffer on ``meta`` that nothing initialises."""
 
 
 def raise_on_every_rank(message: Optional[str]) -> None:
@@ -225,7 +228,9 @@ class ModuleInit:
                  for owner in chain]  # fmt: skip
         attrs = [attr for attr, param in module._parameters.items() if param is not None]
         if all(init is None for _, init in inits):
-            raise MetaInitError(self._missing(module_name, attrs, module))
+            raise MetaInitError(
+                _missing(self.what, "parameters", self._paths(module_name, attrs), module)
+            )
         with _scratch_params(module, self.device, self._shapes):
             for owner, init in inits:
                 if init is None:
@@ -238,27 +243,30 @@ class ModuleInit:
             values = {attr: module._parameters[attr].detach() for attr in attrs}
         unset = [attr for attr, value in values.items() if _is_nan(value)]
         if unset:
-            raise MetaInitError(self._missing(module_name, unset, module))
+            raise MetaInitError(
+                _missing(self.what, "parameters", self._paths(module_name, unset), module)
+            )
         return values
 
-    def _missing(self, module_name: str, attrs: List[str], module: nn.Module) -> str:
-        cls = type(module)
-        paths = [f"{module_name}.{attr}".lstrip(".") for attr in attrs]
-        return (
-            f"{self.what}: parameters {paths} are on the meta device and nothing initialises "
-            f"them (the model has no init_parameter(name, tensor) or _init_weights(module), "
-            f"{cls.__module__}.{cls.__qualname__} no reset_parameters() that sets them). Add "
-            "init_parameter(self, name, tensor) to the model (fill the full-shape tensor in "
-            "place), or build the model on a real device."
-        )
+    @staticmethod
+    def _paths(module_name: str, attrs: List[str]) -> List[str]:
+        return [f"{module_name}.{attr}".lstrip(".") for attr in attrs]
 
 
-def _missing(what: str, paths: List[str], module: nn.Module) -> str:
+def _missing(what: str, kind: str, paths: List[str], module: nn.Module) -> str:
+    """The error for ``kind`` ("buffers" or "parameters") at ``paths`` that nothing initialised
+    in ``module``, with the method the model can add."""
     cls = type(module)
+    hook, how = {
+        "buffers": (
+            "init_buffers(self, module)",
+            "fill module's buffers in place, e.g. recompute rotary frequencies",
+        ),
+        "parameters": ("init_parameter(self, name, tensor)", "fill the full-shape tensor in place"),
+    }[kind]
     return (
-        f"{what}: buffers {paths} are on the meta device and nothing initialises them "
-        f"({cls.__module__}.{cls.__qualname__} has no reset_parameters(), the model no "
-        "init_buffers(module) or _init_weights(module)). Add init_buffers(self, module) to "
-        "the model (fill module's buffers in place, e.g. recompute rotary frequencies), or "
-        "build the model on a real device."
+        f"{what}: {kind} {paths} are on the meta device and nothing initialises them (the "
+        f"model has no {hook.replace('self, ', '')} or _init_weights(module), "
+        f"{cls.__module__}.{cls.__qualname__} no reset_parameters() that sets them). Add "
+        f"{hook} to the model ({how}), or build the model on a real device."
     )

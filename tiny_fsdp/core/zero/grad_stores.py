@@ -120,7 +120,6 @@ class ZeroGradStore(ABC):
         # Set aside by a backward before the step: chunk per bucket, and its without_grad.
         self._carry: Optional[List[torch.Tensor]] = None
         self._carry_without: FrozenSet[int] = frozenset()
-        self._owned = layout.pieces(rank)
         self._cleared: Set[int] = set()  # cleared by some optimizers since the last reduction
 
     def set_aside(self) -> None:
@@ -202,7 +201,7 @@ class ZeroGradStore(ABC):
         subset = frozenset(indices or ())
         self._clear(set_to_none, subset)
         if self.reduced:  # zeros, so that a backward before the step carries nothing of them
-            for piece in self._owned:
+            for piece in self.layout.pieces(self.rank):
                 if piece.index in subset:
                     self.reduced_grad(piece).zero_()
             if set_to_none:  # as a .grad of None: the optimizer skips them
