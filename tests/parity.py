@@ -118,3 +118,25 @@ def check_parity(
         result.max_param_diff = max(result.max_param_diff, diff)
         assert diff <= param_atol, f"rank {rank}: parameter {name} differs by {diff:.3e}"
     return result
+
+
+def assert_trains_alike(
+    what: str,
+    losses: List[float],
+    state: Dict[str, torch.Tensor],
+    ref_losses: List[float],
+    ref_state: Dict[str, torch.Tensor],
+    loss_atol: float = LOSS_ATOL,
+    param_atol: float = PARAM_ATOL,
+) -> float:
+    """Assert the same losses step by step and the same final tensors (same keys) as the
+    oracle's, within the tolerances (default: AdamW's, above); return the worst tensor gap."""
+    for step, (ours, ref) in enumerate(zip(losses, ref_losses)):
+        assert abs(ours - ref) <= loss_atol, f"{what} step {step}: loss {ours} vs {ref}"
+    assert set(state) == set(ref_state), f"{what}: keys differ"
+    worst = 0.0
+    for key, ref in ref_state.items():
+        gap = (state[key].double() - ref.double()).abs().max().item() if ref.numel() else 0.0
+        assert gap <= param_atol, f"{what}: {key} differs by {gap:.2e}"
+        worst = max(worst, gap)
+    return worst

@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from tests.harness import run_distributed
-from tests.parity import LOSS_ATOL, PARAM_ATOL, global_batch, local_slice
+from tests.parity import assert_trains_alike, global_batch, local_slice
 from tests.zoo import VOCAB, WIDTH, OwnRMSNorm, PrefixToken, Rotary, TransposedLinear, ZooLM
 from tests.zoo import hf_models, zoo_loss
 
@@ -196,23 +196,6 @@ def _oracle(build: Build, loss_fn: Loss, rank: int, world_size: int):
     return _train(ddp, optimizer, loss_fn, rank, world_size), model.state_dict()
 
 
-def _compare(what: str, losses, state, ref_losses, ref_state) -> float:
-    """Assert equal losses (LOSS_ATOL) and final tensors (PARAM_ATOL); return the worst gap.
-
-    float32 throughout: only the summation order of the gradient average differs (all-reduce
-    vs reduce-scatter / reduce to the owner), a few ulps, which AdamW's 1/sqrt(v) amplifies
-    within the shared tolerances of tests/parity.py."""
-    for step, (ours, ref) in enumerate(zip(losses, ref_losses)):
-        assert abs(ours - ref) <= LOSS_ATOL, f"{what} step {step}: loss {ours} vs {ref}"
-    assert set(state) == set(ref_state), f"{what}: keys differ"
-    worst = 0.0
-    for key, ref in ref_state.items():
-        gap = (state[key].double() - ref.double()).abs().max().item() if ref.numel() else 0.0
-        assert gap <= PARAM_ATOL, f"{what}: {key} differs by {gap:.2e}"
-        worst = max(worst, gap)
-    return worst
-
-
 def _parity_worker(rank: int, world_size: int, names: List[str]) -> List[Tuple[str, float]]:
     seen = []
     for name, (build, loss_fn, blocks) in _models(names).items():
@@ -233,7 +216,7 @@ def _parity_worker(rank: int, world_size: int, names: List[str]) -> List[Tuple[s
                     else wrapped.memory_stats()["gathered_bytes"]
                 )
                 assert held == 0, f"{what}: {held} bytes of full parameters still held"
-                gap = _compare(what, losses, wrapped.state_dict(), ref_losses, ref_state)
+                gap = assert_trains_alike(what, losses, wrapped.state_dict(), ref_losses, ref_state)
                 seen.append((what, gap))
     return seen
 
@@ -348,7 +331,7 @@ def _moe_worker(rank: int, world_size: int) -> List[str]:
                     group["weight_decay"] = 0.1  # steps a parameter whose gradient is zero
                 losses = _train(wrapped, optimizer, _zoo_loss, rank, world_size, _moe_batch)
                 what = f"moe {n_experts} x {n_blocks} packed={packed} {strategy} {async_comm}"
-                _compare(what, losses, wrapped.state_dict(), ref_losses, ref_state)
+                assert_trains_alike(what, losses, wrapped.state_dict(), ref_losses, ref_state)
                 seen.append(what)
     return seen
 
@@ -429,7 +412,7 @@ def _accumulate_worker(rank: int, world_size: int) -> List[str]:
                 opt.step()
                 opt.zero_grad()
                 out.append(loss.item())
-        _compare(
+        assert_trains_alike(
             f"no_sync {strategy}", losses, model.state_dict(), ref_losses, ddp.module.state_dict()
         )
         seen.append(strategy)
@@ -456,7 +439,7 @@ def _hf_features_worker(rank: int, world_size: int) -> List[str]:
             wrapped, optimizer = _wrap(strategy, model, world_size, True, **kwargs)
             losses = _train(wrapped, optimizer, loss_fn, rank, world_size)
             what = f"{name} {strategy} checkpointing"
-            _compare(what, losses, wrapped.state_dict(), ref_losses, ref_state)
+            assert_trains_alike(what, losses, wrapped.state_dict(), ref_losses, ref_state)
             seen.append(what)
         for strategy in ("fsdp", "zero3"):
             torch.manual_seed(0)
@@ -514,7 +497,9 @@ def _meta_worker(rank: int, world_size: int, names: List[str]) -> List[str]:
             losses = _train(wrapped, optimizer, loss_fn, rank, world_size)
             what = f"meta {name} {strategy}"
             # The same wrapper on the same weights, buffers and batches: bitwise equal.
-            _compare(what, losses, wrapped.state_dict(), ref_losses, reference_wrapped.state_dict())
+            assert_trains_alike(
+                what, losses, wrapped.state_dict(), ref_losses, reference_wrapped.state_dict()
+            )
             seen.append(what)
     return seen
 
@@ -607,7 +592,7 @@ def _meta_own_init_worker(rank: int, world_size: int, names: List[str]) -> List[
             _assert_like_own_init(what, wrapped.state_dict(), normal)
             wrapped.load_state_dict(normal)
             losses = _train(wrapped, optimizer, loss_fn, rank, world_size)
-            _compare(what, losses, wrapped.state_dict(), ref_losses, ref_state)
+            assert_trains_alike(what, losses, wrapped.state_dict(), ref_losses, ref_state)
             seen.append(what)
     return seen
 

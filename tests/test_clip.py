@@ -20,7 +20,7 @@ from torch import nn
 
 from tests.build import build, sgd
 from tests.harness import run_distributed
-from tests.parity import LOSS_ATOL, PARAM_ATOL
+from tests.parity import assert_trains_alike
 
 STRATEGIES = ["ddp", "zero1", "zero2", "zero3", "fsdp"]
 MAX_NORM = 0.1
@@ -29,6 +29,9 @@ SGD = dict(lr=0.1, momentum=0.9)
 # The norm is summed over ranks in another order than torch's (per-shard norms, then an
 # all-reduce): float32 rounding, ~1e-7 relative.
 NORM_RTOL = 1e-5
+# SGD steps are lr x gradient: only the summation order of the average and of the norm differ
+# (measured: losses and tensors within 3e-8 over every case at 2 and 3 ranks).
+ATOL = (1e-6, 1e-6)
 # (norm_type, which parameters are clipped, how the step's gradients are made)
 CASES = [
     (2.0, "all", "one backward"),
@@ -94,12 +97,8 @@ def _worker(rank: int, world_size: int) -> List[str]:
             if case[2] != "clip_grad_value_":  # there: elements clamped by torch DDP's clip
                 for ours, ref in zip(norms, ref_norms):
                     assert abs(ours - ref) <= NORM_RTOL * ref, f"{what}: norm {ours} vs {ref}"
-            for ours, ref in zip(losses, ref_losses):
-                assert abs(ours - ref) <= LOSS_ATOL, f"{what}: loss {ours} vs {ref}"
             state = model.state_dict()
-            for key, ref in ref_state.items():
-                gap = (state[key] - ref).abs().max().item()
-                assert gap <= PARAM_ATOL, f"{what}: {key} differs by {gap:.2e}"
+            assert_trains_alike(what, losses, state, ref_losses, ref_state, *ATOL)
             seen.append(what)
     return seen
 

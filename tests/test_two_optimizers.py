@@ -11,11 +11,15 @@ import torch
 from torch import nn
 
 from tests.harness import run_distributed
-from tests.parity import LOSS_ATOL, PARAM_ATOL
+from tests.parity import assert_trains_alike
 
 STRATEGIES = {"ddp": "DDP", "zero1": "Zero1", "zero2": "Zero2", "zero3": "Zero3", "fsdp": "FSDP"}
 ADAMW = dict(lr=1e-2, weight_decay=0.1)
 SGD = dict(lr=0.1, momentum=0.9)
+# Only the summation order of the gradient average differs (measured: tensors within 1.5e-8,
+# losses equal); this MLP has no gradient that is analytically zero, which AdamW would turn
+# into lr-sized noise (tests/parity.py).
+ATOL = (1e-6, 1e-6)
 
 
 def _step_all_then_clear_all(model, a, b, x) -> float:
@@ -96,12 +100,8 @@ def _worker(rank: int, world_size: int) -> List[str]:
                 return getattr(core, wrapper + kind)(named, **hyper)
 
             losses = _train(model, own, order, rank)
-            for ours, ref in zip(losses, ref_losses):
-                assert abs(ours - ref) <= LOSS_ATOL, f"{what}: loss {ours} vs {ref}"
             state = model.state_dict()
-            for key, ref in ref_state.items():
-                gap = (state[key] - ref).abs().max().item()
-                assert gap <= PARAM_ATOL, f"{what}: {key} differs by {gap:.2e}"
+            assert_trains_alike(what, losses, state, ref_losses, ref_state, *ATOL)
             seen.append(what)
     return seen
 
