@@ -43,7 +43,8 @@ its end callback runs, the wrapper's next forward drops the half state (``store.
 
 Limits: every rank must run backward through at least one trainable parameter in a synchronised
 step (otherwise its end callback is never queued and the other ranks wait); the set of trainable
-parameters is fixed at wrap time; reentrant backward (``torch.utils.checkpoint`` with
+parameters is the store's (DDP builds a new store and engine when it changes: [Note: trainable
+set after wrapping] in ``replicated.py``); reentrant backward (``torch.utils.checkpoint`` with
 ``use_reentrant=True``) would end the bucket cycle inside the inner backward and is not supported
 (``GPT2Model`` checkpoints with ``use_reentrant=False``).
 """
@@ -118,7 +119,13 @@ class BucketedBackward:
             p.register_post_accumulate_grad_hook(_grad_ready_hook(engine, index))
             for index, p in enumerate(store.params)
         ]
-        owner.register_forward_pre_hook(_drop_stale_state_hook(engine))
+        self._hook_handles.append(owner.register_forward_pre_hook(_drop_stale_state_hook(engine)))
+
+    def remove(self) -> None:
+        """Unhook from the parameters and the wrapper (the wrapper builds a new engine)."""
+        for handle in self._hook_handles:
+            handle.remove()
+        self._hook_handles = []
 
     def _reset(self) -> None:
         self._active = False  # a backward's first hook fired, its end callback has not run

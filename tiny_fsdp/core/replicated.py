@@ -20,6 +20,24 @@ evolve from rank 0's of the last synchronised step, as in torch. ``broadcast_buf
 only at wrap time, then every rank keeps its own. One broadcast per buffer dtype (the buffers
 flattened into one tensor), written back through ``.data``, so an autograd graph that saved a
 buffer is not invalidated by the new version.
+
+[Note: trainable set after wrapping]
+Freezing or unfreezing parameters after wrapping (``requires_grad_``: a fine-tuning run that
+unfreezes the backbone after some steps) changes which parameters have gradients. Every forward
+first compares the parameters' ``requires_grad`` flags with those of the previous forward (one
+pass over the flags) and, on a change, calls the strategy's ``trainable_set_changed``:
+
+- DDP builds new buckets and a new backward engine over the new trainable set, so an unfrozen
+  parameter's gradient is averaged over the ranks like any other and a frozen one costs no
+  traffic; gradients kept in the old buckets (``no_sync`` micro-steps) are copied into the new
+  ones by the next backward. torch's DDP registers its parameters once: there an unfrozen
+  parameter's gradient stays local and the replicas drift apart, silently.
+- ZeRO-1/2 put the trainable parameters into the flat buffer and the optimizer's shards at wrap
+  time. A parameter frozen later is one without a gradient (not stepped, as torch.optim skips a
+  ``.grad`` of None); one unfrozen later has no place there, so the forward raises and names it.
+
+FSDP and ZeRO-3 read ``requires_grad`` at every backward and need nothing of this. Every rank
+must change the same parameters before the same forward, as it runs the same code.
 """
 
 from typing import Any, Dict, List, Optional, Tuple
@@ -57,6 +75,26 @@ class ReplicatedWrapper(DataParallelWrapper):
         super().__init__(module, enable_async_communication, mixed_precision)
         self.broadcast_buffers = broadcast_buffers
         self._sync_buffers_before_forward = True  # torch's DDP starts with a broadcast too
+        self._named_params = list(self.module.named_parameters())  # a tied parameter once
+        self._requires_grad = self._requires_grad_flags()
+
+    def _requires_grad_flags(self) -> Tuple[bool, ...]:
+        return tuple(p.requires_grad for _, p in self._named_params)
+
+    def follow_trainable_set(self) -> None:
+        """Call ``trainable_set_changed`` if some ``requires_grad`` changed since the last
+        forward ([Note: trainable set after wrapping]); every forward calls this first."""
+        flags = self._requires_grad_flags()
+        if flags == self._requires_grad:
+            return
+        before = zip(self._named_params, self._requires_grad, flags)
+        self.trainable_set_changed([name for (name, _), was, now in before if now and not was])
+        self._requires_grad = flags
+
+    def trainable_set_changed(self, unfrozen: List[str]) -> None:
+        """The strategy follows a new set of trainable parameters (``unfrozen``: the names of
+        those that were frozen) or raises."""
+        raise NotImplementedError
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         if self.broadcast_buffers and self._sync_buffers_before_forward:

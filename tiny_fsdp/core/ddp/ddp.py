@@ -2,10 +2,11 @@
 
 [Note: DDP backward]
 DDP's backward is the shared engine ([Note: bucketed backward]) with ``AllReduceBuckets`` as its
-gradient store. At wrap time the trainable parameters (``requires_grad``; a tied parameter counts
-once) are grouped into flat buckets in reverse order ([Note: gradient bucket layout]); each
-parameter's ``.grad`` lives in its bucket slot. A hook divides the gradient by the world size in
-its slot; a bucket's reduction is one in-place all-reduce that leaves the averages in ``.grad``.
+gradient store. At wrap time (and after a change of ``requires_grad``: [Note: trainable set after
+wrapping]) the trainable parameters (a tied parameter counts once) are grouped into flat buckets
+in reverse order ([Note: gradient bucket layout]); each parameter's ``.grad`` lives in its bucket
+slot. A hook divides the gradient by the world size in its slot; a bucket's reduction is one
+in-place all-reduce that leaves the averages in ``.grad``.
 Without ``enable_async_communication`` every bucket is reduced at the end of backward.
 
 Parameters unused in a forward: the end of backward still sends their slot, so every rank issues
@@ -91,17 +92,29 @@ class DDP(ReplicatedWrapper):
 
         self.bucket_cap_mb = bucket_cap_mb
         self.world_size = dist.get_world_size()
-        trainable = [p for p in params if p.requires_grad]  # frozen parameters take no part
-        self._trainable = bool(trainable)
-        reduce_dtype = None if mixed_precision is None else mixed_precision.reduce_dtype
         self._cast: Optional[ParamCast] = None
         if mixed_precision is not None:
             self._cast = ParamCast(params, mixed_precision.param_dtype)
+        self._backward: Optional[BucketedBackward] = None
+        self._build_buckets()
+
+    def _build_buckets(self) -> None:
+        """Buckets and backward engine over the trainable parameters (frozen ones take no part;
+        again when they change: [Note: trainable set after wrapping])."""
+        trainable = [p for p in self.module.parameters() if p.requires_grad]
+        self._trainable = bool(trainable)
+        policy = self.mixed_precision
+        reduce_dtype = None if policy is None else policy.reduce_dtype
         store = AllReduceBuckets(
-            trainable, int(bucket_cap_mb * 2**20), self.world_size, reduce_dtype, self._cast
+            trainable, int(self.bucket_cap_mb * 2**20), self.world_size, reduce_dtype, self._cast
         )
         self.buckets: List[GradBucket] = store.buckets
+        if self._backward is not None:
+            self._backward.remove()
         self._backward = BucketedBackward(self, store)
+
+    def trainable_set_changed(self, unfrozen: List[str]) -> None:
+        self._build_buckets()
 
     def extra_state_tensors(self) -> Dict[str, Sequence[torch.Tensor]]:
         # Flat all-reduce buckets (gradients / N and one flag per parameter), kept between steps.
@@ -109,6 +122,7 @@ class DDP(ReplicatedWrapper):
         return {"buffers": [bucket.buffer for bucket in self.buckets]}
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
+        self.follow_trainable_set()  # before the compute copies: buckets take master dtypes
         if self.input_device is not None:
             device = self.input_device
             args, kwargs = map_tensors((args, kwargs), lambda t: t.to(device, non_blocking=True))

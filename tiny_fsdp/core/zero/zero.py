@@ -174,12 +174,25 @@ class ZeroWrapper(ReplicatedWrapper):
         self._backward = BucketedBackward(self, self._grads)
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
+        self.follow_trainable_set()
         output = super().forward(*args, **kwargs)
         if torch.is_grad_enabled():  # [Note: backward again before the step]
             for tensor in output_tensors(output):
                 if tensor.requires_grad:
                     tensor.register_hook(self._before_backward)
         return output
+
+    def trainable_set_changed(self, unfrozen: List[str]) -> None:
+        """A parameter frozen later is one without gradients; one unfrozen later is refused
+        ([Note: trainable set after wrapping])."""
+        if unfrozen:
+            kind = type(self).__name__
+            raise RuntimeError(
+                f"{kind}: {unfrozen} became trainable after wrapping, but {kind} keeps the "
+                "trainable parameters of wrap time in its flat buffer and optimizer shards. "
+                f"Set requires_grad before wrapping (and before building the {kind} optimizer), "
+                "or use DDP, FSDP or ZeRO-3, which follow requires_grad at every step"
+            )
 
     def _before_backward(self, grad: torch.Tensor) -> None:
         # Not for a backward that accumulates into no parameter ([Note: backward for inputs

@@ -1,0 +1,133 @@
+"""Specification: parameters frozen or unfrozen after wrapping (``requires_grad_`` between steps:
+a fine-tuning run that unfreezes its first layers later) train as on one device with
+torch.optim, under every strategy that can follow the change; ZeRO-1/2 refuse an unfreeze with a
+message ([Note: trainable set after wrapping] in ``tiny_fsdp/core/replicated.py``).
+
+The oracle is one process with the global batch and ``torch.optim.SGD``: torch's DDP cannot be
+one here, since it keeps the gradient of a parameter unfrozen after wrapping local (its replicas
+drift apart) and raises when one is frozen.
+"""
+
+import copy
+from typing import Callable, Dict, List, Optional
+
+import torch
+from torch import nn
+
+from tests.harness import run_distributed
+from tests.parity import assert_trains_alike
+
+STEPS, CHANGE_AT = 5, 2
+SGD = dict(lr=0.1, momentum=0.9)
+# SGD steps are lr * grad: only the summation order of the gradient average differs (measured:
+# tensors within 6e-8), and this MLP has no analytically zero gradient that AdamW would amplify.
+ATOL = (1e-6, 1e-6)
+
+
+class Net(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.first = nn.Linear(6, 12)
+        self.middle = nn.Linear(12, 12)
+        self.last = nn.Linear(12, 3)
+        self.scale = nn.Parameter(torch.ones(12))  # a raw parameter
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(self.first(x)) * self.scale
+        return self.last(torch.tanh(self.middle(h)))
+
+
+def _unfreeze_first(model: nn.Module) -> None:
+    model.first.requires_grad_(True)
+
+
+def _freeze_middle(model: nn.Module) -> None:
+    model.middle.requires_grad_(False)
+
+
+CHANGES: Dict[str, Callable[[nn.Module], None]] = {
+    "unfreeze": _unfreeze_first,
+    "freeze": _freeze_middle,
+}
+
+
+def _net(change: str) -> nn.Module:
+    torch.manual_seed(0)
+    net = Net()
+    if change == "unfreeze":
+        net.first.requires_grad_(False)  # frozen at wrap time
+    return net
+
+
+def _batch(step: int, rank: int) -> torch.Tensor:
+    return torch.randn(4, 6, generator=torch.Generator().manual_seed(100 * step + rank))
+
+
+def _train(model: nn.Module, plain: nn.Module, optimizer, change: str, batch) -> List[float]:
+    losses = []
+    for step in range(STEPS):
+        if step == CHANGE_AT:
+            CHANGES[change](plain)
+        loss = model(batch(step)).square().mean()
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(loss.item())
+    return losses
+
+
+def _mean_over_ranks(values: List[float]) -> List[float]:
+    import torch.distributed as dist
+
+    total = torch.tensor(values, dtype=torch.float64)
+    dist.all_reduce(total)
+    return (total / dist.get_world_size()).tolist()
+
+
+def _bucket_numel(model: nn.Module) -> Optional[int]:
+    buckets = getattr(model, "buckets", None)
+    return None if buckets is None else sum(b.buffer.numel() for b in buckets)
+
+
+def _worker(rank: int, world_size: int) -> List[str]:
+    from tiny_fsdp import core
+
+    seen = []
+    for change in CHANGES:
+        reference = _net(change)
+        everyone = lambda step: torch.cat([_batch(step, r) for r in range(world_size)])  # noqa
+        ref_optim = torch.optim.SGD(reference.parameters(), **SGD)
+        ref_losses = _train(reference, reference, ref_optim, change, everyone)
+        for wrapper in ("DDP", "Zero1", "Zero2", "FSDP", "Zero3"):
+            what = f"{wrapper}, {change} after wrapping"
+            model = getattr(core, wrapper)(copy.deepcopy(_net(change)))
+            optimizer = getattr(core, wrapper + "SGD")(model.named_parameters(), **SGD)
+            numel_before = _bucket_numel(model)
+            if change == "unfreeze" and wrapper in ("Zero1", "Zero2"):
+                try:
+                    _train(model, model.module, optimizer, change, lambda s: _batch(s, rank))
+                except RuntimeError as error:
+                    assert "['first.weight', 'first.bias'] became trainable" in str(error)
+                    assert "Set requires_grad before wrapping" in str(error)
+                    seen.append(what + ": refused")
+                    continue
+                raise AssertionError(f"{what}: trained without a word")
+            losses = _train(model, model.module, optimizer, change, lambda s: _batch(s, rank))
+            state = model.state_dict()
+            assert_trains_alike(
+                what, _mean_over_ranks(losses), state, ref_losses, reference.state_dict(), *ATOL
+            )
+            if wrapper == "DDP":  # the buckets follow the trainable set, in both directions
+                grew = _bucket_numel(model) > numel_before
+                assert grew == (change == "unfreeze"), f"{what}: buckets did not follow"
+            seen.append(what)
+    return seen
+
+
+def test_requires_grad_changed_after_wrapping_trains_as_on_one_device() -> None:
+    seen = run_distributed(_worker, 2)[0]
+    assert len(seen) == 2 * 5
+    assert sorted(s for s in seen if s.endswith("refused")) == [
+        "Zero1, unfreeze after wrapping: refused",
+        "Zero2, unfreeze after wrapping: refused",
+    ]
