@@ -89,6 +89,26 @@ def _bucket_numel(model: nn.Module) -> Optional[int]:
     return None if buckets is None else sum(b.buffer.numel() for b in buckets)
 
 
+def _assert_refused(what: str, call: Callable[[], object], names: str = "") -> None:
+    names = names or "['first.weight', 'first.bias']"
+    try:
+        call()
+    except RuntimeError as error:
+        assert f"{names} became trainable after wrapping" in str(error), str(error)
+        assert "Set requires_grad before wrapping" in str(error), str(error)
+        return
+    raise AssertionError(f"{what}: went on without a word")
+
+
+def _assert_keeps_momentum(what: str, ours: dict, reference: dict) -> None:
+    """The consolidated state holds every parameter's momentum, as torch.optim's state_dict
+    does, the frozen ``middle`` layer's included."""
+    for index, ref_state in reference["state"].items():
+        assert index in ours["state"], f"{what}: no state for parameter {index}"
+        gap = (ours["state"][index]["momentum_buffer"] - ref_state["momentum_buffer"]).abs().max()
+        assert gap <= ATOL[1], f"{what}: momentum of parameter {index} differs by {gap:.2e}"
+
+
 def _worker(rank: int, world_size: int) -> List[str]:
     from tiny_fsdp import core
 
@@ -103,20 +123,24 @@ def _worker(rank: int, world_size: int) -> List[str]:
             model = getattr(core, wrapper)(copy.deepcopy(_net(change)))
             optimizer = getattr(core, wrapper + "SGD")(model.named_parameters(), **SGD)
             numel_before = _bucket_numel(model)
+            batch = lambda step: _batch(step, rank)  # noqa: E731
             if change == "unfreeze" and wrapper in ("Zero1", "Zero2"):
-                try:
-                    _train(model, model.module, optimizer, change, lambda s: _batch(s, rank))
-                except RuntimeError as error:
-                    assert "['first.weight', 'first.bias'] became trainable" in str(error)
-                    assert "Set requires_grad before wrapping" in str(error)
-                    seen.append(what + ": refused")
-                    continue
-                raise AssertionError(f"{what}: trained without a word")
-            losses = _train(model, model.module, optimizer, change, lambda s: _batch(s, rank))
+                _assert_refused(what, lambda: _train(model, model.module, optimizer, change, batch))
+                # Adding the unfrozen parameters to an optimizer is refused alike.
+                head = getattr(core, wrapper + "SGD")(model.module.last.named_parameters(), **SGD)
+                group = {"params": [("first.weight", model.module.first.weight)], "lr": 0.01}
+                _assert_refused(what, lambda: head.add_param_group(group), "['first.weight']")
+                seen.append(what + ": refused")
+                continue
+            losses = _train(model, model.module, optimizer, change, batch)
             state = model.state_dict()
             assert_trains_alike(
                 what, _mean_over_ranks(losses), state, ref_losses, reference.state_dict(), *ATOL
             )
+            if wrapper in ("Zero1", "Zero2"):  # the state of a parameter frozen later stays
+                optimizer.consolidate_state_dict(to=0)
+                if rank == 0:
+                    _assert_keeps_momentum(what, optimizer.state_dict(), ref_optim.state_dict())
             if wrapper == "DDP":  # the buckets follow the trainable set, in both directions
                 grew = _bucket_numel(model) > numel_before
                 assert grew == (change == "unfreeze"), f"{what}: buckets did not follow"

@@ -58,8 +58,9 @@ def consolidate(
     index = 0
     for group in param_groups:
         for p in group["params"]:
-            if p.requires_grad:
-                slot = wrapper.layout.slots[wrapper.index_of(p)]
+            layout_index = wrapper.index_of(p)
+            if layout_index is not None:  # else frozen at wrap time: no state
+                slot = wrapper.layout.slots[layout_index]
                 entry = merged[index]
                 out[index] = {
                     k: full[k][slot.start : slot.start + slot.numel].view(slot.shape).clone()

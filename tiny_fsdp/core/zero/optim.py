@@ -80,9 +80,11 @@ class _ZeroOptimizer:
         owned = []
         for k, (name, p) in enumerate(zip(group["param_names"], group["params"])):
             wrapper = self._check_owner(name, p)
-            if not p.requires_grad:
-                continue  # frozen: not in the buffers, never updated
             index = wrapper.index_of(p)
+            if index is None:  # frozen at wrap time: not in the buffers, never updated
+                if p.requires_grad:
+                    wrapper.trainable_set_changed([name])  # raises: unfrozen after wrapping
+                continue
             piece = wrapper.owned_pieces.get(index)
             if piece is None:
                 continue  # this rank owns no element of p

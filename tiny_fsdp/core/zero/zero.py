@@ -233,9 +233,10 @@ class ZeroWrapper(ReplicatedWrapper):
         backward: the optimizer skips them, as torch.optim skips a ``.grad`` of None."""
         return self._grads.without_grad
 
-    def index_of(self, param: torch.Tensor) -> int:
-        """Layout index of trainable parameter ``param`` (KeyError if it is not one)."""
-        return self._index[id(param)]
+    def index_of(self, param: torch.Tensor) -> Optional[int]:
+        """Layout index of ``param``; None for a parameter frozen at wrap time (not in the
+        buffer, whatever its ``requires_grad`` now)."""
+        return self._index.get(id(param))
 
     def reduced_grad(self, piece: Piece) -> torch.Tensor:
         """(piece.numel,) view of owned ``piece``'s averaged gradient after a synchronised
