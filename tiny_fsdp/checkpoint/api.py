@@ -41,6 +41,9 @@ from tiny_fsdp.checkpoint.adapters import (
 from tiny_fsdp.checkpoint.agreement import all_ok, gather
 from tiny_fsdp.checkpoint.kinds import save_full, save_sharded
 from tiny_fsdp.checkpoint.format import CheckpointError, CheckpointReader
+from tiny_fsdp.core.utils.arrival import every_rank_arrives
+
+_EVERY_RANK = "Call it on every rank (each rank writes or reads its part), not only on rank 0."
 
 
 def save_checkpoint(
@@ -58,6 +61,7 @@ def save_checkpoint(
     Call on every rank. Raises ``CheckpointError`` on every rank if any rank fails; the
     previous checkpoint at ``path`` then stays intact ([Note: checkpoint directory]).
     """
+    every_rank_arrives("save_checkpoint()", _EVERY_RANK)  # [Note: arrival check]
     adapter = Adapter(model, optimizer)
     rank, world = adapter.rank, adapter.world_size
     os.makedirs(path, exist_ok=True)  # every rank: shards may go to a node-local disk
@@ -95,6 +99,7 @@ def load_checkpoint(
     (a different world size has no matching per-rank streams). On error the model and
     optimizer may be partly loaded: load again before training.
     """
+    every_rank_arrives("load_checkpoint()", _EVERY_RANK)
     adapter = Adapter(model, optimizer)
     result: Dict[str, Any] = {}
 

@@ -53,6 +53,7 @@ from tiny_fsdp.core.precision import (
     low_precision_error,
     register_input_cast,
 )
+from tiny_fsdp.core.utils.arrival import every_rank_arrives
 from tiny_fsdp.core.utils.dist import check_backend_device, require_process_group
 from tiny_fsdp.core.wrap_checks import (
     check_no_shared_storage,
@@ -66,6 +67,12 @@ class IncompatibleKeys(NamedTuple):
 
     missing_keys: List[str]
     unexpected_keys: List[str]
+
+
+_STATE_DICT_FIX = (
+    "It gathers the full tensors: call it on every rank, then save on rank 0 only "
+    "(sd = model.state_dict(); if rank == 0: torch.save(sd, path)); likewise save_pretrained."
+)
 
 
 class DataParallelWrapper(nn.Module):
@@ -88,6 +95,8 @@ class DataParallelWrapper(nn.Module):
     separates_storage: bool = False
     #: Each rank updates only its local part: the strategy's own optimizer is required.
     updates_local_part: bool = False
+    #: ``full_tensor`` is a collective, so ``state_dict()`` is one that every rank must call.
+    gathers_full_tensors: bool = False
 
     def __init__(
         self,
@@ -206,7 +215,10 @@ class DataParallelWrapper(nn.Module):
         self, *, destination: Optional[Dict] = None, prefix: str = "", keep_vars: bool = False
     ) -> Dict[str, Any]:
         """Full tensors under the plain model's keys (tied keys included). Call on every rank:
-        a strategy that splits tensors gathers them."""
+        a strategy that splits tensors gathers them, after every rank has arrived ([Note:
+        arrival check])."""
+        if self.gathers_full_tensors:
+            every_rank_arrives(f"{type(self).__name__}.state_dict()", _STATE_DICT_FIX)
         out = OrderedDict() if destination is None else destination
         full: Dict[int, torch.Tensor] = {}  # a tied parameter is gathered once
         for key, value in self.module.state_dict(keep_vars=True).items():

@@ -81,6 +81,7 @@ class Zero3(FetchingWrapper):
     materializes_meta = True
     separates_storage = True
     updates_local_part = True
+    gathers_full_tensors = True
 
     def __init__(
         self,

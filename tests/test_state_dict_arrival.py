@@ -1,0 +1,104 @@
+"""Specification: under FSDP and ZeRO-3, whose ``state_dict()`` gathers, a rank that calls it
+alone (the torch DDP habit ``if rank == 0: torch.save(model.state_dict(), path)``) issues no
+collective: it waits for the other ranks, warns what it waits for and how to fix the call, and
+raises once the collective timeout has passed; a rank that merely arrives later is waited for in
+silence. ``save_checkpoint``, which gathers under every strategy, does the same ([Note: arrival
+check] in ``tiny_fsdp/core/utils/arrival.py``).
+"""
+
+import os
+import tempfile
+import time
+import warnings
+from typing import List
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from tests.harness import run_distributed
+
+WARN_AFTER_S, TIMEOUT_S, LATE_S = 0.3, 2.0, 0.5
+
+
+def _model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(4, 6), nn.Tanh(), nn.Linear(6, 3))
+
+
+def _worker(rank: int, world_size: int) -> List[str]:
+    from tiny_fsdp import core
+    from tiny_fsdp.checkpoint import save_checkpoint
+    from tiny_fsdp.core import comm
+    from tiny_fsdp.core.utils import arrival
+    from tiny_fsdp.core.utils.dist import get_collective_timeout, set_collective_timeout
+
+    seen = []
+    previous = get_collective_timeout(), arrival.WARN_AFTER_S
+    set_collective_timeout(TIMEOUT_S)
+    arrival.WARN_AFTER_S = WARN_AFTER_S
+    try:
+        for wrapper in ("FSDP", "Zero3"):
+            model = getattr(core, wrapper)(_model())
+            what = f"{wrapper}.state_dict()"
+            # Rank 0 alone: no collective, a warning, then an error at the timeout.
+            if rank == 0:
+                calls = sum(comm.LEDGER.calls.values())
+                with warnings.catch_warnings(record=True) as caught:
+                    warnings.simplefilter("always")
+                    try:
+                        model.state_dict()
+                        raise AssertionError(f"{what} on rank 0 alone returned")
+                    except RuntimeError as error:
+                        message = str(error)
+                assert sum(comm.LEDGER.calls.values()) == calls, "a collective was issued"
+                assert f"in {what}, which every rank must call: 1 of 2 ranks" in message
+                assert "call it on every rank, then save on rank 0 only" in message
+                warned = [str(w.message) for w in caught if w.category is RuntimeWarning]
+                assert len(warned) == 1 and "1 of 2 ranks are in it" in warned[0], warned
+            else:
+                time.sleep(TIMEOUT_S + LATE_S)  # in no collective, which would time out too
+            dist.barrier()  # rank 0 gave up
+            if rank == 1:  # the other side of that call, so that the next keys agree again
+                arrival.every_rank_arrives(what, "")
+            # Every rank calls it, rank 1 later: waited for in silence, full tensors on both.
+            arrival.WARN_AFTER_S = 10 * LATE_S
+            if rank == 1:
+                time.sleep(LATE_S)
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                state = model.state_dict()
+            assert not [w for w in caught if w.category is RuntimeWarning]
+            assert {k: tuple(v.shape) for k, v in state.items()} == {
+                k: tuple(v.shape) for k, v in _model().state_dict().items()
+            }
+            total = torch.cat([v.reshape(-1) for v in state.values()])
+            first = total.clone()
+            dist.broadcast(first, src=0)
+            assert torch.equal(first, total), "the ranks' state dicts differ"
+            arrival.WARN_AFTER_S = WARN_AFTER_S
+            seen.append(wrapper)
+        # save_checkpoint gathers under every strategy: on rank 0 alone it raises alike.
+        model = core.DDP(_model())
+        if rank == 0:
+            try:
+                with warnings.catch_warnings():
+                    warnings.simplefilter("ignore")
+                    save_checkpoint(os.path.join(tempfile.mkdtemp(), "ckpt"), model)
+                raise AssertionError("save_checkpoint on rank 0 alone returned")
+            except RuntimeError as error:
+                assert "in save_checkpoint(), which every rank must call: 1 of 2" in str(error)
+        else:
+            time.sleep(TIMEOUT_S + LATE_S)
+        dist.barrier()
+        if rank == 1:
+            arrival.every_rank_arrives("save_checkpoint()", "")
+        seen.append("save_checkpoint")
+    finally:
+        set_collective_timeout(previous[0])
+        arrival.WARN_AFTER_S = previous[1]
+    return seen
+
+
+def test_a_rank_alone_in_a_gathering_state_dict_waits_warns_and_raises() -> None:
+    assert run_distributed(_worker, 2) == [["FSDP", "Zero3", "save_checkpoint"]] * 2
