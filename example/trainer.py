@@ -30,6 +30,7 @@ from example.strategies import STRATEGIES, build_strategy
 from example.tokenizer import get_tokenizer
 from tiny_fsdp.checkpoint import has_checkpoint, load_checkpoint, save_checkpoint
 from tiny_fsdp.core.utils.dist import DistEnv, init_distributed
+from tiny_fsdp.core.utils.recompute import set_gradient_checkpointing
 from tiny_fsdp.core.utils.failure import (
     NonFiniteError,
     describe_nonfinite,
@@ -197,8 +198,8 @@ def main(strategy: str, argv: Optional[List[str]] = None) -> List[float]:
     model, optimizer = build_strategy(strategy, spec.make, args, env)
     if args.init_from:  # every strategy loads a plain-model state dict of full tensors
         model.load_state_dict(hf_gpt2_to_ours(read_hf_state_dict(args.init_from)))
-    if args.grad_ckpt:
-        model.gradient_checkpointing = True
+    if args.grad_ckpt:  # our GPT-2's attribute or a transformers model's method
+        set_gradient_checkpointing(model, True)
     if master:
         source = args.data or default_corpus_description()
         print(

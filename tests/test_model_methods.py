@@ -128,3 +128,61 @@ def _save_pretrained_worker(rank: int, world_size: int, directory: str) -> List[
 def test_save_pretrained_writes_the_full_model_under_every_wrapper(tmp_path) -> None:
     pytest.importorskip("transformers")
     assert run_distributed(_save_pretrained_worker, 2, str(tmp_path))[0] == list(STRATEGIES)
+
+
+def _counted(forward, calls: List[int]):
+    def run(*args, **kwargs):
+        calls.append(1)
+        return forward(*args, **kwargs)
+
+    return run
+
+
+def _recompute_worker(rank: int, world_size: int) -> List[str]:
+    """``model.gradient_checkpointing = True`` on the wrapper of a transformers model (which
+    has no such attribute: HF switches it with a method) makes backward run each decoder
+    layer again, and training still matches torch DDP without recomputation."""
+    from tests.zoo import hf_models
+
+    build_hf, loss_fn, _ = hf_models()["llama"]
+    torch.manual_seed(0)
+    plain = build_hf()
+    oracle = nn.parallel.DistributedDataParallel(copy.deepcopy(plain))
+    oracle_opt = torch.optim.SGD(oracle.parameters(), lr=0.5)
+    oracle_losses = []
+    for step in range(STEPS):
+        loss = loss_fn(oracle, _batch(step, rank), _batch(step + 100, rank))
+        loss.backward()
+        oracle_opt.step()
+        oracle_opt.zero_grad()
+        oracle_losses.append(loss.item())
+    checked = []
+    for strategy in STRATEGIES:
+        model, opt = build(strategy, copy.deepcopy(plain), sgd(lr=0.5))
+        calls = []  # runs of a layer's MLP (module hooks do not see a recomputation)
+        mlp = model.module.model.layers[0].mlp
+        mlp.forward = _counted(mlp.forward, calls)
+        model.gradient_checkpointing = True
+        assert model.gradient_checkpointing
+        losses = []
+        for step in range(STEPS):
+            calls.clear()
+            loss = loss_fn(model, _batch(step, rank), _batch(step + 100, rank))
+            loss.backward()
+            assert len(calls) == 2, (strategy, "forward and recompute", len(calls))
+            opt.step()
+            opt.zero_grad()
+            losses.append(loss.item())
+        gap = max(abs(a - b) for a, b in zip(losses, oracle_losses))
+        assert gap <= LOSS_ATOL, (strategy, losses, oracle_losses)
+        model.gradient_checkpointing = False
+        calls.clear()
+        loss_fn(model, _batch(0, rank), _batch(1, rank)).backward()
+        assert not model.gradient_checkpointing and len(calls) == 1, (strategy, len(calls))
+        checked.append(strategy)
+    return checked
+
+
+def test_gradient_checkpointing_switches_a_transformers_model_under_every_wrapper() -> None:
+    pytest.importorskip("transformers")
+    assert run_distributed(_recompute_worker, 2)[0] == list(STRATEGIES)

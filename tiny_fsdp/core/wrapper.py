@@ -55,6 +55,7 @@ from tiny_fsdp.core.precision import (
 )
 from tiny_fsdp.core.utils.arrival import every_rank_arrives
 from tiny_fsdp.core.utils.dist import check_backend_device, require_process_group
+from tiny_fsdp.core.utils.recompute import gradient_checkpointing, set_gradient_checkpointing
 from tiny_fsdp.core.wrap_checks import (
     check_no_shared_storage,
     check_not_wrapped,
@@ -290,15 +291,13 @@ class DataParallelWrapper(nn.Module):
 
     @property
     def gradient_checkpointing(self) -> bool:
-        return bool(getattr(self.module, "gradient_checkpointing", False))
+        """The model recomputes its blocks in backward (set it: the model's attribute, or a
+        HuggingFace model's ``activation_checkpointing_enable``; ``utils/recompute.py``)."""
+        return gradient_checkpointing(self.module)
 
     @gradient_checkpointing.setter
     def gradient_checkpointing(self, value: bool) -> None:
-        if not hasattr(self.module, "gradient_checkpointing"):
-            raise AttributeError(
-                f"{type(self.module).__name__} has no 'gradient_checkpointing' attribute to set"
-            )
-        self.module.gradient_checkpointing = value
+        set_gradient_checkpointing(self.module, value)
 
     # A wrapper's parameters are fp32 masters tied to the strategy's buffers: casting them in
     # place would silently break both. Mixed precision is a policy, not a cast.
