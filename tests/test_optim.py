@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from tiny_fsdp.core.optim import SGD, AdamW, BaseOptimizer, adamw_update_, sgd_update_
-from tiny_fsdp.core.optim.base import sum_of_squares, update_batches
+from tiny_fsdp.core.optim.base import CPU_UPDATE_BATCH_BYTES, sum_of_squares, update_batches
 
 # Both implementations run the same fp32 ops in the same order; 1e-6 leaves room for a
 # different kernel (e.g. lerp vs mul/add) rounding differently without hiding a real bug.
@@ -344,8 +344,12 @@ def test_update_batches_share_device_and_dtype_and_cap_their_bytes() -> None:
         assert len({(p.dtype, p.device) for p in params}) == 1
         assert sum(p.numel() * p.element_size() for p in params) <= 100 or len(params) == 1
         assert all(p is g for p, g in zip(params, grads))
-    # On the CPU every tensor is updated alone (batching would only add temporaries there).
-    assert [len(params) for params, _, _ in update_batches(updates)] == [1] * len(updates)
+    # On the CPU small tensors share a call up to CPU_UPDATE_BATCH_BYTES; a larger one is alone.
+    cap = CPU_UPDATE_BATCH_BYTES
+    sizes = (cap // 16, cap // 8, cap // 4)  # float32: a quarter, a half, all of the cap
+    big = [(t, t, {}) for t in map(torch.zeros, sizes)]
+    assert [len(params) for params, _, _ in update_batches(updates)] == [4, 1]  # by dtype
+    assert [len(params) for params, _, _ in update_batches(big)] == [2, 1]
 
 
 class ShardedSGD(SGD):
