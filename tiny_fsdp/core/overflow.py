@@ -12,8 +12,9 @@ hold is not finite", all-reduced with MAX over the ranks the shards are spread o
 is set, every rank adds NaN to the first element of each gradient it holds, and every rank's
 scaler skips, as under DDP (FSDP2 reduces its scaler's flag over the mesh for the same reason).
 Finite steps are untouched (0 is added), and without a scaler a non-finite gradient spoils the
-step either way. Cost per synchronised backward: a read of the local gradients (max |g|, which
-cannot overflow where a norm could) and an all-reduce of 4 bytes, without host synchronisation.
+step either way. Cost per synchronised backward: a read of the local gradients (their extremes,
+which cannot overflow where a norm could) and an all-reduce of 4 bytes, without host
+synchronisation.
 """
 
 from typing import Optional, Sequence
@@ -38,10 +39,20 @@ def agree_on_overflow(
     grads = [g for g in grads if g.numel()]
     overflow = torch.zeros(1, dtype=OVERFLOW_FLAG_DTYPE, device=device)
     if grads:
-        largest = torch.stack([m.float() for m in torch._foreach_norm(grads, float("inf"))])
-        overflow = largest.isfinite().logical_not().any().to(OVERFLOW_FLAG_DTYPE).reshape(1)
+        overflow = _extremes(grads).isfinite().logical_not().any()
+        overflow = overflow.to(OVERFLOW_FLAG_DTYPE).reshape(1)
     comm.all_reduce(overflow, op=dist.ReduceOp.MAX, group=group, label=label)
     if grads:
         nan_if_overflow = torch.where(overflow[0] > 0, float("nan"), 0.0)  # 0-dim
         firsts = [g[(0,) * g.dim()] for g in grads]  # 0-dim views, contiguous or not
         torch._foreach_add_(firsts, nan_if_overflow)
+
+
+def _extremes(grads: Sequence[torch.Tensor]) -> torch.Tensor:
+    """float32 values, all finite exactly when every element of ``grads`` is (max |g| per
+    tensor on an accelerator: one ``_foreach_norm``; min and max per tensor on the CPU, where
+    torch's infinity norm is ~10x slower: 25.5 vs 2.2 ms on a gpt2_mini shard, one thread)."""
+    if grads[0].device.type != "cpu":
+        return torch.stack([m.float() for m in torch._foreach_norm(grads, float("inf"))])
+    real = [torch.view_as_real(g) if g.is_complex() else g for g in grads]
+    return torch.cat([torch.stack(g.aminmax()).float() for g in real])
