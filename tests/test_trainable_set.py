@@ -1,7 +1,8 @@
 """Specification: parameters frozen or unfrozen after wrapping (``requires_grad_`` between steps:
-a fine-tuning run that unfreezes its first layers later) train as on one device with
-torch.optim, under every strategy that can follow the change; ZeRO-1/2 refuse an unfreeze with a
-message ([Note: trainable set after wrapping] in ``tiny_fsdp/core/replicated.py``).
+a fine-tuning run that unfreezes its first layers later, a GAN loop that freezes a model for one
+step) train as on one device with torch.optim, under every strategy that can follow the change;
+ZeRO-1/2 refuse to unfreeze a parameter frozen at wrap time, with a message ([Note: trainable
+set after wrapping] in ``tiny_fsdp/core/replicated.py``).
 
 The oracle is one process with the global batch and ``torch.optim.SGD``: torch's DDP cannot be
 one here, since it keeps the gradient of a parameter unfrozen after wrapping local (its replicas
@@ -37,17 +38,25 @@ class Net(nn.Module):
         return self.last(torch.tanh(self.middle(h)))
 
 
-def _unfreeze_first(model: nn.Module) -> None:
-    model.first.requires_grad_(True)
+def _unfreeze_first(model: nn.Module, step: int) -> None:
+    if step == CHANGE_AT:
+        model.first.requires_grad_(True)
 
 
-def _freeze_middle(model: nn.Module) -> None:
-    model.middle.requires_grad_(False)
+def _freeze_middle(model: nn.Module, step: int) -> None:
+    if step == CHANGE_AT:
+        model.middle.requires_grad_(False)
 
 
-CHANGES: Dict[str, Callable[[nn.Module], None]] = {
+def _toggle_middle(model: nn.Module, step: int) -> None:
+    """Frozen for one step, as a GAN loop freezes its discriminator for the generator's."""
+    model.middle.requires_grad_(step != CHANGE_AT)
+
+
+CHANGES: Dict[str, Callable[[nn.Module, int], None]] = {
     "unfreeze": _unfreeze_first,
     "freeze": _freeze_middle,
+    "toggle": _toggle_middle,
 }
 
 
@@ -66,8 +75,7 @@ def _batch(step: int, rank: int) -> torch.Tensor:
 def _train(model: nn.Module, plain: nn.Module, optimizer, change: str, batch) -> List[float]:
     losses = []
     for step in range(STEPS):
-        if step == CHANGE_AT:
-            CHANGES[change](plain)
+        CHANGES[change](plain, step)
         loss = model(batch(step)).square().mean()
         loss.backward()
         optimizer.step()
@@ -123,6 +131,7 @@ def _worker(rank: int, world_size: int) -> List[str]:
             model = getattr(core, wrapper)(copy.deepcopy(_net(change)))
             optimizer = getattr(core, wrapper + "SGD")(model.named_parameters(), **SGD)
             numel_before = _bucket_numel(model)
+            first_buffer = model.buckets[0].buffer if wrapper == "DDP" else None
             batch = lambda step: _batch(step, rank)  # noqa: E731
             if change == "unfreeze" and wrapper in ("Zero1", "Zero2"):
                 _assert_refused(what, lambda: _train(model, model.module, optimizer, change, batch))
@@ -141,16 +150,17 @@ def _worker(rank: int, world_size: int) -> List[str]:
                 optimizer.consolidate_state_dict(to=0)
                 if rank == 0:
                     _assert_keeps_momentum(what, optimizer.state_dict(), ref_optim.state_dict())
-            if wrapper == "DDP":  # the buckets follow the trainable set, in both directions
+            if wrapper == "DDP":  # only an unfrozen parameter needs new buckets
                 grew = _bucket_numel(model) > numel_before
                 assert grew == (change == "unfreeze"), f"{what}: buckets did not follow"
+                assert change == "unfreeze" or model.buckets[0].buffer is first_buffer, what
             seen.append(what)
     return seen
 
 
 def test_requires_grad_changed_after_wrapping_trains_as_on_one_device() -> None:
     seen = run_distributed(_worker, 2)[0]
-    assert len(seen) == 2 * 5
+    assert len(seen) == len(CHANGES) * 5
     assert sorted(s for s in seen if s.endswith("refused")) == [
         "Zero1, unfreeze after wrapping: refused",
         "Zero2, unfreeze after wrapping: refused",

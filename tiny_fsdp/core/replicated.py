@@ -23,21 +23,25 @@ buffer is not invalidated by the new version.
 
 [Note: trainable set after wrapping]
 Freezing or unfreezing parameters after wrapping (``requires_grad_``: a fine-tuning run that
-unfreezes the backbone after some steps) changes which parameters have gradients. Every forward
-first compares the parameters' ``requires_grad`` flags with those of the previous forward (one
-pass over the flags) and, on a change, calls the strategy's ``trainable_set_changed``:
+unfreezes the backbone after some steps, a GAN loop that freezes the discriminator for the
+generator's step) changes which parameters have gradients. Every forward first compares the
+parameters' ``requires_grad`` flags with those of the previous forward (one pass over the flags);
+on a change, the parameters that now need a gradient but have no place in the strategy's
+gradient store go to the strategy's ``take_trainable``:
 
-- DDP builds new buckets and a new backward engine over the new trainable set, so an unfrozen
-  parameter's gradient is averaged over the ranks like any other and a frozen one costs no
-  traffic; gradients kept in the old buckets (``no_sync`` micro-steps) are copied into the new
-  ones by the next backward. torch's DDP registers its parameters once: there an unfrozen
-  parameter's gradient stays local and the replicas drift apart, silently.
+- DDP builds new buckets and a new backward engine over the parameters it had and those, so an
+  unfrozen parameter's gradient is averaged over the ranks like any other; gradients kept in the
+  old buckets (``no_sync`` micro-steps) are copied into the new ones by the next backward.
+  torch's DDP registers its parameters once: there an unfrozen parameter's gradient stays
+  local and the replicas drift apart, silently.
 - ZeRO-1/2 put the trainable parameters into the flat buffer and the optimizer's shards at wrap
-  time. A parameter frozen later is one without a gradient (not stepped, as torch.optim skips a
-  ``.grad`` of None); one unfrozen later has no place there, so the forward raises and names it.
+  time: a parameter unfrozen later has no place there, so the forward raises and names it.
 
-FSDP and ZeRO-3 read ``requires_grad`` at every backward and need nothing of this. Every rank
-must change the same parameters before the same forward, as it runs the same code.
+A parameter frozen later keeps its place: no rank has a gradient for it, so its slot travels as
+zeros and it is not stepped (its ``.grad`` stays None), as an unused parameter ([Note: bucketed
+backward]). Toggling ``requires_grad`` every step therefore builds nothing. FSDP and ZeRO-3 read
+``requires_grad`` at every backward and need none of this. Every rank must change the same
+parameters before the same forward, as it runs the same code.
 """
 
 from typing import Any, Dict, List, Optional, Tuple
@@ -82,18 +86,22 @@ class ReplicatedWrapper(DataParallelWrapper):
         return tuple(p.requires_grad for _, p in self._named_params)
 
     def follow_trainable_set(self) -> None:
-        """Call ``trainable_set_changed`` if some ``requires_grad`` changed since the last
-        forward ([Note: trainable set after wrapping]); every forward calls this first."""
+        """Hand the strategy the parameters that need a gradient and have no place in its
+        store ([Note: trainable set after wrapping]); every forward calls this first."""
         flags = self._requires_grad_flags()
         if flags == self._requires_grad:
             return
-        before = zip(self._named_params, self._requires_grad, flags)
-        self.trainable_set_changed([name for (name, _), was, now in before if now and not was])
+        new = [name for name, p in self._named_params if p.requires_grad and not self.has_place(p)]
+        if new:
+            self.take_trainable(new)  # may raise: the flags stay, the next forward sees it again
         self._requires_grad = flags
 
-    def trainable_set_changed(self, unfrozen: List[str]) -> None:
-        """The strategy follows a new set of trainable parameters (``unfrozen``: the names of
-        those that were frozen) or raises."""
+    def has_place(self, param: torch.Tensor) -> bool:
+        """``param``'s gradient has a place in the strategy's gradient store."""
+        raise NotImplementedError
+
+    def take_trainable(self, names: List[str]) -> None:
+        """Give the parameters ``names`` (trainable now, no place yet) a place, or raise."""
         raise NotImplementedError
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:

@@ -22,7 +22,7 @@ DDP, a backward after a synchronised one (no ``zero_grad`` between) adds onto th
 precision: [Note: DDP mixed precision].
 """
 
-from typing import Any, Dict, List, Mapping, Optional, Sequence, Union
+from typing import Any, Dict, List, Mapping, Optional, Sequence, Set, Union
 
 import torch
 import torch.distributed as dist
@@ -96,24 +96,30 @@ class DDP(ReplicatedWrapper):
         if mixed_precision is not None:
             self._cast = ParamCast(params, mixed_precision.param_dtype)
         self._backward: Optional[BucketedBackward] = None
+        self._in_buckets: Set[int] = set()  # ids of the parameters with a bucket slot
         self._build_buckets()
 
     def _build_buckets(self) -> None:
-        """Buckets and backward engine over the trainable parameters (frozen ones take no part;
-        again when they change: [Note: trainable set after wrapping])."""
-        trainable = [p for p in self.module.parameters() if p.requires_grad]
-        self._trainable = bool(trainable)
+        """Buckets and backward engine over the trainable parameters and those that had a
+        bucket slot before (frozen at wrap time: none; [Note: trainable set after wrapping])."""
+        had = self._in_buckets
+        members = [p for p in self.module.parameters() if p.requires_grad or id(p) in had]
+        self._in_buckets = {id(p) for p in members}
+        self._trainable = bool(members)
         policy = self.mixed_precision
         reduce_dtype = None if policy is None else policy.reduce_dtype
         store = AllReduceBuckets(
-            trainable, int(self.bucket_cap_mb * 2**20), self.world_size, reduce_dtype, self._cast
+            members, int(self.bucket_cap_mb * 2**20), self.world_size, reduce_dtype, self._cast
         )
         self.buckets: List[GradBucket] = store.buckets
         if self._backward is not None:
             self._backward.remove()
         self._backward = BucketedBackward(self, store)
 
-    def trainable_set_changed(self, unfrozen: List[str]) -> None:
+    def has_place(self, param: torch.Tensor) -> bool:
+        return id(param) in self._in_buckets
+
+    def take_trainable(self, names: List[str]) -> None:
         self._build_buckets()
 
     def extra_state_tensors(self) -> Dict[str, Sequence[torch.Tensor]]:

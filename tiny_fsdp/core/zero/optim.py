@@ -83,7 +83,7 @@ class _ZeroOptimizer:
             index = wrapper.index_of(p)
             if index is None:  # frozen at wrap time: not in the buffers, never updated
                 if p.requires_grad:
-                    wrapper.trainable_set_changed([name])  # raises: unfrozen after wrapping
+                    wrapper.take_trainable([name])  # raises: unfrozen after wrapping
                 continue
             piece = wrapper.owned_pieces.get(index)
             if piece is None:

@@ -182,17 +182,19 @@ class ZeroWrapper(ReplicatedWrapper):
                     tensor.register_hook(self._before_backward)
         return output
 
-    def trainable_set_changed(self, unfrozen: List[str]) -> None:
-        """A parameter frozen later is one without gradients; one unfrozen later is refused
+    def has_place(self, param: torch.Tensor) -> bool:
+        return id(param) in self._index
+
+    def take_trainable(self, names: List[str]) -> None:
+        """Refused: the flat buffer and the optimizer's shards are laid out at wrap time
         ([Note: trainable set after wrapping])."""
-        if unfrozen:
-            kind = type(self).__name__
-            raise RuntimeError(
-                f"{kind}: {unfrozen} became trainable after wrapping, but {kind} keeps the "
-                "trainable parameters of wrap time in its flat buffer and optimizer shards. "
-                f"Set requires_grad before wrapping (and before building the {kind} optimizer), "
-                "or use DDP, FSDP or ZeRO-3, which follow requires_grad at every step"
-            )
+        kind = type(self).__name__
+        raise RuntimeError(
+            f"{kind}: {names} became trainable after wrapping, but {kind} keeps the "
+            "trainable parameters of wrap time in its flat buffer and optimizer shards. "
+            f"Set requires_grad before wrapping (and before building the {kind} optimizer), "
+            "or use DDP, FSDP or ZeRO-3, which follow requires_grad at every step"
+        )
 
     def _before_backward(self, grad: torch.Tensor) -> None:
         # Not for a backward that accumulates into no parameter ([Note: backward for inputs
