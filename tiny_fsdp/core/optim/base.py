@@ -55,6 +55,18 @@ def batch_limit(device: torch.device) -> int:
     return CPU_UPDATE_BATCH_BYTES if device.type == "cpu" else UPDATE_BATCH_BYTES
 
 
+#: Key of the rank tag in the state dict of an optimizer of one rank's part.
+LOCAL_STATE_KEY = "tiny_fsdp_local_state"
+
+
+def _rank_and_world() -> dict[str, int]:
+    from torch import distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        return {"rank": dist.get_rank(), "world_size": dist.get_world_size()}
+    return {"rank": 0, "world_size": 1}
+
+
 ParamsT = Union[Iterable[Tensor], Iterable[NamedParam], Iterable[dict[str, Any]]]
 
 
@@ -242,6 +254,43 @@ class BaseOptimizer(torch.optim.Optimizer):
     def _norm_group(self) -> Any:
         """The process group whose ranks together hold each element once (None: all ranks)."""
         return None
+
+    def state_dict(self) -> dict[str, Any]:
+        """torch.optim's state dict; when it holds this rank's part only, tagged with the rank.
+
+        [Note: local optimizer state]
+        The state of an FSDP or ZeRO-3 optimizer covers this rank's shards or owned tensors
+        (``grads_are_sharded``): loaded on another rank, or at another world size, it would
+        give every parameter another's moments, silently (the torch DDP habit ``if rank == 0:
+        torch.save(optimizer.state_dict(), path)``, then every rank loads the file). So
+        ``state_dict()`` records the rank and world size it was taken on, and
+        ``load_state_dict`` refuses any other, pointing to one file per rank or to
+        ``tiny_fsdp.checkpoint`` (any world size). ZeRO-1/2 optimizers consolidate instead.
+        """
+        state = super().state_dict()
+        if self.grads_are_sharded:
+            state[LOCAL_STATE_KEY] = _rank_and_world()
+        return state
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """torch.optim's ``load_state_dict``; a state of one rank's part loads on that rank
+        only ([Note: local optimizer state])."""
+        if self.grads_are_sharded:
+            saved = state_dict.get(LOCAL_STATE_KEY)
+            here = _rank_and_world()
+            if saved != here:
+                taken = "has no rank tag"
+                if saved is not None:
+                    taken = f"is rank {saved['rank']}'s part (of {saved['world_size']} ranks)"
+                raise ValueError(
+                    f"{type(self).__name__}.load_state_dict: the state {taken}; this is rank "
+                    f"{here['rank']} (of {here['world_size']}). Each rank's optimizer state is "
+                    "its own shards: save state_dict() on every rank (one file per rank) and "
+                    "load each rank's own, or use tiny_fsdp.checkpoint.save_checkpoint / "
+                    "load_checkpoint (any number of ranks)"
+                )
+            state_dict = {k: v for k, v in state_dict.items() if k != LOCAL_STATE_KEY}
+        super().load_state_dict(state_dict)
 
     def _default_device(self) -> torch.device:
         for group in self.param_groups:
