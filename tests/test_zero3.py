@@ -333,10 +333,13 @@ def _init_and_state_dict(rank: int, world_size: int) -> None:
         assert list(full) == list(expected)  # plain keys, tied duplicate included
         assert all(torch.equal(full[k], v) for k, v in expected.items())  # owners' init only
 
-        # Ranks that built different weights agree after sync_module_states (rank 0 wins).
-        synced = Zero3(make_model(100 + rank), parts, sync_module_states=True).state_dict()
+        # Ranks that built different weights hold rank 0's by default (sync_module_states, as
+        # FSDP and DDP); without it each owner keeps its own.
+        synced = Zero3(make_model(100 + rank), parts).state_dict()
         rank0 = make_model(100).state_dict()
         assert all(torch.equal(synced[k], v) for k, v in rank0.items())
+        owners = Zero3(make_model(100 + rank), parts, sync_module_states=False).state_dict()
+        assert not all(torch.equal(owners[k], v) for k, v in rank0.items())
 
         # Round trip: load full tensors, keep only owned ones, give the same tensors back.
         model.load_state_dict(rank0)

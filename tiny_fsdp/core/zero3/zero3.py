@@ -65,8 +65,10 @@ class Zero3(FetchingWrapper):
             Results are bitwise identical on and off.
         prefetch_limit: at most this many prefetched layers unconsumed at once (>= 1).
         prefetch_depth: deprecated name of ``prefetch_limit``.
-        sync_module_states: broadcast every tensor from rank 0 first (normal models only), so
-            ranks built with different seeds cannot disagree.
+        sync_module_states: broadcast every tensor and buffer from rank 0 first (normal models
+            only; default, as FSDP and DDP), so the model is rank 0's: ranks built with
+            different seeds, or a checkpoint loaded on rank 0 only, cannot disagree. False keeps
+            each owner's own values.
         mixed_precision: owners broadcast ``param_dtype`` copies and gradients are reduced in
             ``reduce_dtype``; owned tensors, ``.grad`` and optimizer state stay fp32 ([Note:
             mixed precision]).
@@ -90,7 +92,7 @@ class Zero3(FetchingWrapper):
         enable_async_communication: bool = True,
         *,
         prefetch_limit: int = 2,
-        sync_module_states: bool = False,
+        sync_module_states: bool = True,
         mixed_precision: Optional[MixedPrecisionPolicy] = None,
         prefetch_depth: Optional[int] = None,
         unit: UnitSpec = "auto",
@@ -196,6 +198,10 @@ class Zero3(FetchingWrapper):
                     comm.broadcast_into(data, src=0)
                 param.data = data if owned else torch.empty(0, dtype=param.dtype, device=device)
             setattr(param, ATTR, info)
+        if sync and rt.world_size > 1:
+            for buffer in self.module.buffers():  # whole on every rank, rank 0's values
+                if not buffer.is_meta:
+                    comm.broadcast_into(buffer, src=0)
         if isinstance(init, ModuleInit) and on_meta:
             raise_on_every_rank(failed)
 
