@@ -99,6 +99,12 @@ class Adapter:
         self.device = first.device if first is not None else torch.device("cpu")
         self.names: Dict[int, str] = {id(p): n for n, p in self.inner.named_parameters()}
 
+    def _own_state_dict(self) -> Dict[str, Any]:
+        """What this rank holds, under the plain model's keys (parameters as objects)."""
+        if self.wrapper is None:
+            return self.inner.state_dict(keep_vars=True)
+        return self.wrapper.local_state_dict(keep_vars=True)
+
     def _piece(self, param: nn.Parameter, saving: bool) -> Optional[LocalPiece]:
         if self.wrapper is None:  # one device
             return replicated_piece(param, self.rank, saving)
@@ -162,7 +168,7 @@ class Adapter:
         """state-dict key -> tensor name (a tied key maps to its parameter's first name)."""
         return {
             key: self.names.get(id(value), key)
-            for key, value in self.inner.state_dict(keep_vars=True).items()
+            for key, value in self._own_state_dict().items()
             if isinstance(value, Tensor)
         }
 
@@ -171,7 +177,7 @@ class Adapter:
         for name, p in self.inner.named_parameters():
             out += self.param_slices(name, p, saving)
         params = set(self.names)
-        for key, value in self.inner.state_dict(keep_vars=True).items():
+        for key, value in self._own_state_dict().items():
             # Buffers stay whole and equal on every rank in every strategy.
             if isinstance(value, Tensor) and id(value) not in params:
                 piece = replicated_piece(value, self.rank, saving)

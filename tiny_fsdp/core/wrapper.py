@@ -36,6 +36,7 @@ tensors. The wrapper then tags every parameter as its own.
 """
 
 import contextlib
+import weakref
 from collections import OrderedDict
 from typing import Any, Dict, Iterator, List, Mapping, NamedTuple, Optional, Sequence, Tuple
 
@@ -121,6 +122,9 @@ class DataParallelWrapper(nn.Module):
         register_input_cast(self.module, mixed_precision)  # hooks the inner model: every forward
         self.require_backward_grad_sync = True
         self.enable_async_communication = enable_async_communication
+        self._local_state_dicts = 0  # > 0 while local_state_dict() runs
+        if self.gathers_full_tensors:  # [Note: the inner model's state dict]
+            self.module.register_state_dict_post_hook(_full_tensors_hook(weakref.ref(self)))
 
     def _check_and_claim(self) -> None:
         """[Note: wrap-time checks]; then every parameter is tagged as this wrapper's."""
@@ -218,21 +222,36 @@ class DataParallelWrapper(nn.Module):
         """Full tensors under the plain model's keys (tied keys included). Call on every rank:
         a strategy that splits tensors gathers them, after every rank has arrived ([Note:
         arrival check])."""
+        entries = self.local_state_dict(keep_vars=keep_vars)
         if self.gathers_full_tensors:
             every_rank_arrives(f"{type(self).__name__}.state_dict()", _STATE_DICT_FIX)
+            self._make_full_(entries, "", keep_vars)
         out = OrderedDict() if destination is None else destination
-        full: Dict[int, torch.Tensor] = {}  # a tied parameter is gathered once
-        for key, value in self.module.state_dict(keep_vars=True).items():
-            if not self.manages(value):  # a buffer (or extra state): every rank has it
-                out[prefix + key] = (
-                    value if keep_vars or not torch.is_tensor(value) else value.detach()
-                )
-                continue
-            if id(value) not in full:
-                tensor = self.full_tensor(value)
-                full[id(value)] = value if keep_vars and tensor is value else tensor
-            out[prefix + key] = full[id(value)]
+        for key, value in entries.items():
+            out[prefix + key] = value
         return out
+
+    def local_state_dict(self, keep_vars: bool = False) -> Dict[str, Any]:
+        """The inner model's own state dict: what this rank holds (shards, owned tensors)."""
+        self._local_state_dicts += 1
+        try:
+            return self.module.state_dict(keep_vars=keep_vars)
+        finally:
+            self._local_state_dicts -= 1
+
+    def _make_full_(self, entries: Dict[str, Any], prefix: str, keep_vars: bool) -> None:
+        """Replace, in place, the entries of the parameters this strategy splits (keys
+        ``prefix`` + the model's parameter names) by their full tensors: collectives, in the
+        order of ``named_parameters`` on every rank; a tied parameter is gathered once."""
+        full: Dict[int, torch.Tensor] = {}
+        for name, param in self.module.named_parameters(remove_duplicate=False):
+            key = prefix + name
+            if key not in entries or not self.manages(param):
+                continue
+            if id(param) not in full:
+                tensor = self.full_tensor(param)
+                full[id(param)] = param if keep_vars and tensor is param else tensor
+            entries[key] = full[id(param)]
 
     @torch.no_grad()
     def load_state_dict(
@@ -248,7 +267,7 @@ class DataParallelWrapper(nn.Module):
                 "from wrap time on (a meta model is materialised then), so leave assign out and "
                 "the values are copied into them"
             )
-        own = self.module.state_dict(keep_vars=True)
+        own = self.local_state_dict(keep_vars=True)
         missing = [key for key in own if key not in state_dict]
         unexpected = [key for key in state_dict if key not in own]
         if strict and (missing or unexpected):
@@ -341,3 +360,27 @@ class DataParallelWrapper(nn.Module):
             "load_state_dict(). DDP and ZeRO-1/2 take a real model: to_empty() and initialise "
             "it before wrapping."
         )
+
+
+def _full_tensors_hook(wrapper_ref: "weakref.ref[DataParallelWrapper]") -> Any:
+    """State-dict post-hook of the inner model of a gathering strategy.
+
+    [Note: the inner model's state dict]
+    torch DDP code saves ``model.module.state_dict()`` (keys without ``module.``). Under FSDP
+    and ZeRO-3 the inner model's parameters are this rank's shards or owned tensors, so that
+    dict would hold pieces, found only when the checkpoint fails to load. This hook makes it
+    the same full state dict as the wrapper's (after the arrival check: a collective that every
+    rank calls). The strategy's own reads of what a rank holds go through
+    ``local_state_dict()``, which the hook leaves alone, as it leaves a copy of the inner model
+    (``copy.deepcopy`` copies the hook).
+    """
+
+    def hook(module: nn.Module, state_dict: Dict[str, Any], prefix: str, metadata: Any) -> None:
+        wrapper = wrapper_ref()
+        if wrapper is None or wrapper.module is not module or wrapper._local_state_dicts:
+            return
+        what = f"model.module.state_dict() of a {type(wrapper).__name__} model"
+        every_rank_arrives(what, _STATE_DICT_FIX)
+        wrapper._make_full_(state_dict, prefix, keep_vars=False)
+
+    return hook

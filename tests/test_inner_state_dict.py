@@ -1,0 +1,50 @@
+"""Specification: ``model.module.state_dict()``, the torch DDP idiom for keys without
+``module.``, is the full state dict under every wrapper: equal to ``model.state_dict()`` and
+loadable into the plain model, where under FSDP / ZeRO-3 it used to hold this rank's shards
+([Note: the inner model's state dict] in ``tiny_fsdp/core/wrapper.py``). A copy of the inner
+model keeps its own tensors and gathers nothing.
+"""
+
+import copy
+from typing import List
+
+import torch
+from torch import nn
+
+from tests.harness import run_distributed
+
+STRATEGIES = ("DDP", "Zero1", "Zero2", "FSDP", "Zero3")
+
+
+def _plain() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(5, 7), nn.LayerNorm(7), nn.Linear(7, 3))
+
+
+def _worker(rank: int, world_size: int) -> List[str]:
+    from tiny_fsdp import core
+    from tiny_fsdp.core import comm
+
+    seen = []
+    for wrapper in STRATEGIES:
+        model = getattr(core, wrapper)(_plain())
+        optimizer = getattr(core, wrapper + "SGD")(model.named_parameters(), lr=0.1)
+        model(torch.randn(4, 5, generator=torch.Generator().manual_seed(rank))).sum().backward()
+        optimizer.step()
+
+        inner, full = model.module.state_dict(), model.state_dict()
+        assert list(inner) == list(full), wrapper
+        assert all(torch.equal(inner[key], full[key]) for key in full), wrapper
+        plain = _plain()
+        plain.load_state_dict(inner)  # full shapes: strict loading succeeds
+        assert all(torch.equal(v, full[k]) for k, v in plain.state_dict().items()), wrapper
+
+        calls = sum(comm.LEDGER.calls.values())
+        copy.deepcopy(model.module).state_dict()
+        assert sum(comm.LEDGER.calls.values()) == calls, f"{wrapper}: a copy gathered"
+        seen.append(wrapper)
+    return seen
+
+
+def test_the_inner_models_state_dict_is_the_full_one_under_every_wrapper() -> None:
+    assert run_distributed(_worker, 2)[0] == list(STRATEGIES)
