@@ -1,13 +1,15 @@
 """Specification: ``model.module.state_dict()``, the torch DDP idiom for keys without
 ``module.``, is the full state dict under every wrapper: equal to ``model.state_dict()`` and
 loadable into the plain model, where under FSDP / ZeRO-3 it used to hold this rank's shards
-([Note: the inner model's state dict] in ``tiny_fsdp/core/wrapper.py``). A copy of the inner
-model keeps its own tensors and gathers nothing.
+([Note: the inner model's state dict] in ``tiny_fsdp/core/wrapper.py``); likewise
+``model.module.load_state_dict`` takes full tensors. A copy of the inner model keeps its own
+tensors and gathers nothing.
 """
 
 import copy
 from typing import List
 
+import pytest
 import torch
 from torch import nn
 
@@ -38,6 +40,15 @@ def _worker(rank: int, world_size: int) -> List[str]:
         plain = _plain()
         plain.load_state_dict(inner)  # full shapes: strict loading succeeds
         assert all(torch.equal(v, full[k]) for k, v in plain.state_dict().items()), wrapper
+
+        # Loading full tensors through the inner model keeps this rank's part of each.
+        other = {k: v + 1 for k, v in full.items()}
+        model.module.load_state_dict(other)
+        assert all(torch.equal(v, other[k]) for k, v in model.state_dict().items()), wrapper
+        wrong = {**other, "0.weight": torch.zeros(7, 4)}
+        mismatch = r"0.weight: copying a param with shape torch.Size\(\[7, 4\]\) from checkpoint"
+        with pytest.raises(RuntimeError, match=mismatch + r".*model is torch.Size\(\[7, 5\]\)"):
+            model.module.load_state_dict(wrong)
 
         calls = sum(comm.LEDGER.calls.values())
         copy.deepcopy(model.module).state_dict()
