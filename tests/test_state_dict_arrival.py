@@ -2,8 +2,9 @@
 alone (the torch DDP habit ``if rank == 0: torch.save(model.state_dict(), path)``) issues no
 collective: it waits for the other ranks, warns what it waits for and how to fix the call, and
 raises once the collective timeout has passed; a rank that merely arrives later is waited for in
-silence. ``save_checkpoint``, which gathers under every strategy, does the same ([Note: arrival
-check] in ``tiny_fsdp/core/utils/arrival.py``).
+silence. A forward without gradients (evaluation, generation) under FSDP / ZeRO-3, and
+``save_checkpoint``, which gathers under every strategy, do the same ([Note: arrival check] in
+``tiny_fsdp/core/utils/arrival.py``).
 """
 
 import os
@@ -77,6 +78,24 @@ def _worker(rank: int, world_size: int) -> List[str]:
             dist.broadcast(first, src=0)
             assert torch.equal(first, total), "the ranks' state dicts differ"
             arrival.WARN_AFTER_S = WARN_AFTER_S
+            # An evaluation forward (no gradients) on rank 0 alone: the same wait and error.
+            forward = f"{wrapper} forward without gradients"
+            if rank == 0:
+                try:
+                    with torch.no_grad(), warnings.catch_warnings():
+                        warnings.simplefilter("ignore")
+                        model(torch.randn(2, 4))
+                    raise AssertionError(f"{wrapper}: a forward on rank 0 alone returned")
+                except RuntimeError as error:
+                    assert f"in {forward}, which every rank must call: 1 of 2" in str(error)
+                    assert "evaluate and generate on every rank" in str(error)
+            else:
+                time.sleep(TIMEOUT_S + LATE_S)
+            dist.barrier()
+            if rank == 1:
+                arrival.every_rank_arrives(forward, "")
+            with torch.no_grad():  # on every rank: fine
+                model(torch.randn(2, 4))
             seen.append(wrapper)
         # save_checkpoint gathers under every strategy: on rank 0 alone it raises alike.
         model = core.DDP(_model())

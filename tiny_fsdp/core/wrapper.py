@@ -128,6 +128,7 @@ class DataParallelWrapper(nn.Module):
             self.module.register_state_dict_post_hook(_full_tensors_hook(me))
             self.module.register_load_state_dict_pre_hook(_load_full_tensors_hook(me))
             self.module.register_load_state_dict_post_hook(_after_load_hook(me))
+            self.module.register_forward_pre_hook(_arrival_hook(type(self).__name__))
 
     def _check_and_claim(self) -> None:
         """[Note: wrap-time checks]; then every parameter is tagged as this wrapper's."""
@@ -438,5 +439,24 @@ def _after_load_hook(wrapper_ref: "weakref.ref[DataParallelWrapper]") -> Any:
         wrapper = wrapper_ref()
         if wrapper is not None and wrapper.module is module:
             wrapper.after_load()
+
+    return hook
+
+
+_FORWARD_FIX = (
+    "Each forward gathers parameters from every rank: evaluate and generate on every rank (with "
+    "HuggingFace's generate, synced_gpus=True when the ranks' lengths can differ) and print or "
+    "save on rank 0 only."
+)
+
+
+def _arrival_hook(kind: str) -> Any:
+    """Forward pre-hook of the inner model of a gathering strategy: a forward without gradients
+    (evaluation, generation: the torch DDP habit runs them on rank 0 alone) first waits for
+    every rank ([Note: arrival check]); training forwards, which every rank runs, skip it."""
+
+    def hook(module: nn.Module, args: Any) -> None:
+        if not torch.is_grad_enabled():
+            every_rank_arrives(f"{kind} forward without gradients", _FORWARD_FIX)
 
     return hook

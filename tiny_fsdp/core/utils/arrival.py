@@ -7,7 +7,9 @@ gathers while the other ranks run their next step or wait in a barrier: gloo sto
 "Received data size doesn't match", NCCL waits until its timeout, and collectives of equal size
 (a gather of the state dict and a gather of the next forward) may pair up silently.
 
-So ``every_rank_arrives(what)`` runs before such a call's first collective: each rank adds one to
+The same holds for a forward without gradients (evaluation, ``generate``) under FSDP and ZeRO-3,
+which the torch DDP habit runs on rank 0 alone, and for the checkpoint functions. So
+``every_rank_arrives(what)`` runs before such a call's first collective: each rank adds one to
 a counter in the rendezvous store, keyed by the call's name and by how many times this process
 made it before (every rank makes the same calls, so the keys agree), and waits until all ranks
 have added theirs. The gathers start only when every rank is in the call; no collective is
@@ -16,7 +18,8 @@ and the fix), and raises once the default group's collective timeout has passed,
 collective would have, with the reason in the message. Ranks that are merely slower (one writes
 a file the others do not) arrive a little later and nothing is said.
 
-Cost: one store round trip per call and rank (no tensor, no collective), nothing per step.
+Cost: one store round trip per call and rank (no tensor, no collective); training forwards,
+which every rank runs, are not checked.
 """
 
 import time
