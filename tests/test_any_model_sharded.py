@@ -475,13 +475,17 @@ class MetaZoo(ZooLM):
             module.reset_running_stats()
 
 
+def _builds_for(first: Dict[str, Tuple[Build, Loss]], names: List[str]) -> Dict:
+    """name -> (build, loss): ``first`` (the worker's own model, names[0]), then ``_models``'."""
+    rest = {n: (b, lf) for n, (b, lf, _) in _models(names[1:]).items()} if names[1:] else {}
+    return {**first, **rest}
+
+
 def _meta_worker(rank: int, world_size: int, names: List[str]) -> List[str]:
     """Built on meta: parameters from init_parameter, buffers (non-persistent ones included)
     from the model's own initialisation; the same training as a model built normally."""
     seen = []
-    builds: Dict[str, Tuple[Build, Loss]] = {"zoo": (MetaZoo, _zoo_loss)}
-    if len(names) > 1:
-        builds.update({n: (b, lf) for n, (b, lf, _) in _models(names[1:]).items()})
+    builds = _builds_for({"zoo": (MetaZoo, _zoo_loss)}, names)
     for name in names:
         build, loss_fn = builds[name]
         for strategy in ("fsdp", "zero3"):
@@ -576,9 +580,7 @@ def _meta_own_init_worker(rank: int, world_size: int, names: List[str]) -> List[
     ([Note: meta parameters]); then a checkpoint loaded into the wrapped model trains like
     torch DDP on a model built with it."""
     seen = []
-    builds: Dict[str, Tuple[Build, Loss]] = {"torch.nn": (AttentionStack, _logits_loss)}
-    if len(names) > 1:
-        builds.update({n: (b, lf) for n, (b, lf, _) in _models(names[1:]).items()})
+    builds = _builds_for({"torch.nn": (AttentionStack, _logits_loss)}, names)
     for name in names:
         build, loss_fn = builds[name]
         ref_losses, ref_state = _oracle(build, loss_fn, rank, world_size)

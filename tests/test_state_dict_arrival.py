@@ -11,7 +11,7 @@ import os
 import tempfile
 import time
 import warnings
-from typing import List
+from typing import Callable, List
 
 import torch
 import torch.distributed as dist
@@ -27,10 +27,38 @@ def _model() -> nn.Module:
     return nn.Sequential(nn.Linear(4, 6), nn.Tanh(), nn.Linear(6, 3))
 
 
+def _on_rank0_alone(rank: int, what: str, call: Callable[[], object]) -> str:
+    """Rank 0 makes ``call`` while rank 1 sleeps in no collective: rank 0 must issue no
+    collective, warn once, then raise at the timeout; returns its message ('' on rank 1). Rank 1
+    then makes its side of the arrival, so that the next keys agree again."""
+    from tiny_fsdp.core import comm
+    from tiny_fsdp.core.utils import arrival
+
+    message = ""
+    if rank == 0:
+        calls = sum(comm.LEDGER.calls.values())
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            try:
+                call()
+                raise AssertionError(f"{what} on rank 0 alone returned")
+            except RuntimeError as error:
+                message = str(error)
+        assert sum(comm.LEDGER.calls.values()) == calls, f"{what}: a collective was issued"
+        assert f"in {what}, which every rank must call: 1 of 2 ranks" in message, message
+        warned = [str(w.message) for w in caught if w.category is RuntimeWarning]
+        assert len(warned) == 1 and "1 of 2 ranks are in it" in warned[0], warned
+    else:
+        time.sleep(TIMEOUT_S + LATE_S)  # in no collective, which would time out too
+    dist.barrier()  # rank 0 gave up
+    if rank == 1:
+        arrival.every_rank_arrives(what, "")
+    return message
+
+
 def _worker(rank: int, world_size: int) -> List[str]:
     from tiny_fsdp import core
     from tiny_fsdp.checkpoint import save_checkpoint
-    from tiny_fsdp.core import comm
     from tiny_fsdp.core.utils import arrival
     from tiny_fsdp.core.utils.dist import get_collective_timeout, set_collective_timeout
 
@@ -41,27 +69,8 @@ def _worker(rank: int, world_size: int) -> List[str]:
     try:
         for wrapper in ("FSDP", "Zero3"):
             model = getattr(core, wrapper)(_model())
-            what = f"{wrapper}.state_dict()"
-            # Rank 0 alone: no collective, a warning, then an error at the timeout.
-            if rank == 0:
-                calls = sum(comm.LEDGER.calls.values())
-                with warnings.catch_warnings(record=True) as caught:
-                    warnings.simplefilter("always")
-                    try:
-                        model.state_dict()
-                        raise AssertionError(f"{what} on rank 0 alone returned")
-                    except RuntimeError as error:
-                        message = str(error)
-                assert sum(comm.LEDGER.calls.values()) == calls, "a collective was issued"
-                assert f"in {what}, which every rank must call: 1 of 2 ranks" in message
-                assert "call it on every rank, then save on rank 0 only" in message
-                warned = [str(w.message) for w in caught if w.category is RuntimeWarning]
-                assert len(warned) == 1 and "1 of 2 ranks are in it" in warned[0], warned
-            else:
-                time.sleep(TIMEOUT_S + LATE_S)  # in no collective, which would time out too
-            dist.barrier()  # rank 0 gave up
-            if rank == 1:  # the other side of that call, so that the next keys agree again
-                arrival.every_rank_arrives(what, "")
+            message = _on_rank0_alone(rank, f"{wrapper}.state_dict()", model.state_dict)
+            assert rank or "call it on every rank, then save on rank 0 only" in message
             # Every rank calls it, rank 1 later: waited for in silence, full tensors on both.
             arrival.WARN_AFTER_S = 10 * LATE_S
             if rank == 1:
@@ -79,39 +88,16 @@ def _worker(rank: int, world_size: int) -> List[str]:
             assert torch.equal(first, total), "the ranks' state dicts differ"
             arrival.WARN_AFTER_S = WARN_AFTER_S
             # An evaluation forward (no gradients) on rank 0 alone: the same wait and error.
-            forward = f"{wrapper} forward without gradients"
-            if rank == 0:
-                try:
-                    with torch.no_grad(), warnings.catch_warnings():
-                        warnings.simplefilter("ignore")
-                        model(torch.randn(2, 4))
-                    raise AssertionError(f"{wrapper}: a forward on rank 0 alone returned")
-                except RuntimeError as error:
-                    assert f"in {forward}, which every rank must call: 1 of 2" in str(error)
-                    assert "evaluate and generate on every rank" in str(error)
-            else:
-                time.sleep(TIMEOUT_S + LATE_S)
-            dist.barrier()
-            if rank == 1:
-                arrival.every_rank_arrives(forward, "")
-            with torch.no_grad():  # on every rank: fine
-                model(torch.randn(2, 4))
+            with torch.no_grad():
+                forward = f"{wrapper} forward without gradients"
+                message = _on_rank0_alone(rank, forward, lambda: model(torch.randn(2, 4)))
+                assert rank or "evaluate and generate on every rank" in message
+                model(torch.randn(2, 4))  # on every rank: fine
             seen.append(wrapper)
         # save_checkpoint gathers under every strategy: on rank 0 alone it raises alike.
         model = core.DDP(_model())
-        if rank == 0:
-            try:
-                with warnings.catch_warnings():
-                    warnings.simplefilter("ignore")
-                    save_checkpoint(os.path.join(tempfile.mkdtemp(), "ckpt"), model)
-                raise AssertionError("save_checkpoint on rank 0 alone returned")
-            except RuntimeError as error:
-                assert "in save_checkpoint(), which every rank must call: 1 of 2" in str(error)
-        else:
-            time.sleep(TIMEOUT_S + LATE_S)
-        dist.barrier()
-        if rank == 1:
-            arrival.every_rank_arrives("save_checkpoint()", "")
+        path = os.path.join(tempfile.mkdtemp(), "ckpt")
+        _on_rank0_alone(rank, "save_checkpoint()", lambda: save_checkpoint(path, model))
         seen.append("save_checkpoint")
     finally:
         set_collective_timeout(previous[0])

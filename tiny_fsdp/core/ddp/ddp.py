@@ -96,15 +96,13 @@ class DDP(ReplicatedWrapper):
         if mixed_precision is not None:
             self._cast = ParamCast(params, mixed_precision.param_dtype)
         self._backward: Optional[BucketedBackward] = None
-        self._in_buckets: Set[int] = set()  # ids of the parameters with a bucket slot
         self._build_buckets()
 
     def _build_buckets(self) -> None:
         """Buckets and backward engine over the trainable parameters and those that had a
         bucket slot before (frozen at wrap time: none; [Note: trainable set after wrapping])."""
-        had = self._in_buckets
+        had = self._bucketed_ids()
         members = [p for p in self.module.parameters() if p.requires_grad or id(p) in had]
-        self._in_buckets = {id(p) for p in members}
         self._trainable = bool(members)
         policy = self.mixed_precision
         reduce_dtype = None if policy is None else policy.reduce_dtype
@@ -116,8 +114,11 @@ class DDP(ReplicatedWrapper):
             self._backward.remove()
         self._backward = BucketedBackward(self, store)
 
+    def _bucketed_ids(self) -> Set[int]:
+        return set() if self._backward is None else {id(p) for p in self._backward.store.params}
+
     def has_place(self, param: torch.Tensor) -> bool:
-        return id(param) in self._in_buckets
+        return id(param) in self._bucketed_ids()  # only when requires_grad flags changed
 
     def take_trainable(self, names: List[str]) -> None:
         self._build_buckets()

@@ -183,7 +183,7 @@ class ZeroWrapper(ReplicatedWrapper):
         return output
 
     def has_place(self, param: torch.Tensor) -> bool:
-        return id(param) in self._index
+        return self.index_of(param) is not None
 
     def take_trainable(self, names: List[str]) -> None:
         """Refused: the flat buffer and the optimizer's shards are laid out at wrap time

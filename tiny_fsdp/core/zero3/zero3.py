@@ -37,6 +37,7 @@ from tiny_fsdp.core.meta_init import (
 )
 from tiny_fsdp.core.precision import MixedPrecisionPolicy
 from tiny_fsdp.core.reductions import ReduceStats
+from tiny_fsdp.core.replicated import broadcast_module_buffers
 from tiny_fsdp.core.unit_layout import UnitSpec
 from tiny_fsdp.core.zero3.grads import ReduceToOwnerGrads
 from tiny_fsdp.core.zero3.partition import zero3_partition_tensors
@@ -199,9 +200,7 @@ class Zero3(FetchingWrapper):
                 param.data = data if owned else torch.empty(0, dtype=param.dtype, device=device)
             setattr(param, ATTR, info)
         if sync and rt.world_size > 1:
-            for buffer in self.module.buffers():  # whole on every rank, rank 0's values
-                if not buffer.is_meta:
-                    comm.broadcast_into(buffer, src=0)
+            broadcast_module_buffers(self.module)  # whole on every rank, rank 0's values
         if isinstance(init, ModuleInit) and on_meta:
             raise_on_every_rank(failed)
 
