@@ -9,7 +9,8 @@ against 9.5 ms for two broadcasts; reduce-scatter 33.2 ms against 12.0 ms for tw
 run as:
 
 - all-gather of ``input`` (k,) into ``output`` (N * k,): copy ``input`` into chunk ``rank`` of
-  ``output``, then broadcast chunk r from rank r, for every r, all issued asynchronously;
+  ``output`` (no copy when ``input`` is that chunk: an in-place all-gather, as FSDP's units
+  issue it), then broadcast chunk r from rank r, for every r, all issued asynchronously;
 - reduce-scatter of ``input`` (N * k,) into ``output`` (k,): reduce chunk r of ``input`` to
   rank r, for every r, all issued asynchronously; once they are done, copy chunk ``rank`` into
   ``output`` (no copy when ``output`` is that chunk). ``input`` is scratch afterwards (a reduce
@@ -63,7 +64,8 @@ def all_gather(
     """``output`` (N * k,) <- every rank's ``input`` (k,), by N broadcasts."""
     n, rank, k = dist.get_world_size(group), dist.get_rank(group), input.numel()
     chunks = output.view(n, k)
-    chunks[rank].copy_(input)
+    if chunks[rank].data_ptr() != input.data_ptr():  # else in place: input is that chunk
+        chunks[rank].copy_(input)
     works = [
         dist.broadcast(chunks[r], src=_global(group, r), group=group, async_op=True)
         for r in range(n)

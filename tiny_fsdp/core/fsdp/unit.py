@@ -80,16 +80,21 @@ class GatherUnit(FullUnit):
     def unshard(self, async_op: bool) -> PendingGather:
         """Start (or run) one all-gather per group; counted in the state's gathered bytes."""
         pending: PendingGather = []
+        world, rank = self.state.world_size, self.state.rank  # of the shard group
         for group in self.groups:
             shards = [param.detach().reshape(-1) for param in group]
-            flat = shards[0] if len(shards) == 1 else torch.cat(shards)  # (group_numel,)
+            numel = sum(shard.numel() for shard in shards)
             # Mixed precision: cast the shard, not the gathered tensor: half the bytes travel.
-            flat = flat.to(self.state.gather_dtype(flat.dtype))
-            out = flat.new_empty(self.state.world_size * flat.numel())  # (world * group_numel,)
-            groups = self.state.groups  # in the shard group, [Note: hybrid sharding]
-            handle = self.state.streams.issue(GATHER, _all_gather(out, flat, groups), async_op)
+            dtype = self.state.gather_dtype(shards[0].dtype)
+            out = shards[0].new_empty(world * numel, dtype=dtype)  # (world * group_numel,)
+            # In place: this rank's shards go straight into their chunk of the output, one
+            # copy (and cast) instead of a concatenation and a copy ([Note: collectives on gloo]).
+            own = out.view(world, numel)[rank]
+            torch.cat(shards, out=own)
+            groups = self.state.groups  # [Note: hybrid sharding]
+            handle = self.state.streams.issue(GATHER, _all_gather(out, own, groups), async_op)
             self.state.track_gathered(_nbytes(out))
-            pending.append((handle, out, flat))
+            pending.append((handle, out, own))
         return pending
 
     def wait_for_unshard(self, pending: PendingGather) -> None:
