@@ -22,6 +22,7 @@ from tiny_fsdp.core.unit_layout import UnitSpec, unit_layers
 from tiny_fsdp.core.unit_module import watch_unit_module
 from tiny_fsdp.core.unit_state import UnitState
 from tiny_fsdp.core.wrapper import DataParallelWrapper
+from tiny_fsdp.core.utils.eager import eager
 
 
 class FetchingWrapper(DataParallelWrapper):
@@ -68,6 +69,7 @@ class FetchingWrapper(DataParallelWrapper):
     def before_load(self) -> None:
         self._prefetcher.drop_transients()  # full / prefetched parameters would go stale
 
+    @eager  # [Note: torch.compile]
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         self._prefetcher.pre_forward(self.enable_async_communication, torch.is_grad_enabled())
         try:
