@@ -472,6 +472,14 @@ def _api_worker(rank: int, world_size: int) -> None:
     with pytest.raises(ValueError, match="device_ids is a keyword here"):
         DDP(make_model(), [rank])
     DDP(make_model(), find_unused_parameters=True, broadcast_buffers=False)
+    # ... and its other common keywords: gradients are bucket views and the buckets follow
+    # each step's graph anyway; a group of every rank is the default one, a subgroup refused.
+    DDP(make_model(), bucket_cap_mb=None, gradient_as_bucket_view=True, static_graph=True)
+    DDP(make_model(), process_group=dist.group.WORLD)
+    DDP(make_model(), process_group=dist.new_group(list(range(world_size))))
+    subgroup = dist.new_group([0])
+    with pytest.raises(ValueError, match=r"1 of 2 ranks.*leave process_group out"):
+        DDP(make_model(), process_group=subgroup)
     torch.manual_seed(0)
     mismatched = nn.Linear(3, 2 + rank)
     if world_size > 1:

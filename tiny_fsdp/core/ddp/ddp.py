@@ -63,6 +63,12 @@ class DDP(ReplicatedWrapper):
             forward. Refused for a CPU module, as torch does.
         find_unused_parameters: accepted so torch DDP code runs unchanged; parameters a forward
             did not use are always found (the module docstring), ``True`` or not.
+        process_group, gradient_as_bucket_view, static_graph: torch DDP's, accepted so its
+            scripts run unchanged. Gradients average over every rank: a ``process_group``
+            that leaves ranks out is refused (HSDP: ``FSDP(model, mesh=hsdp_mesh())``). fp32
+            gradients are always views of their bucket slots (torch's
+            ``gradient_as_bucket_view=True``); the buckets follow each step's graph, static or
+            not.
 
     ``state_dict()`` / ``load_state_dict()`` use the plain model's keys (no ``module.`` prefix).
     """
@@ -70,7 +76,7 @@ class DDP(ReplicatedWrapper):
     def __init__(
         self,
         module: nn.Module,
-        bucket_cap_mb: float = 25.0,
+        bucket_cap_mb: Optional[float] = 25.0,
         enable_async_communication: bool = True,
         mixed_precision: Optional[MixedPrecisionPolicy] = None,
         broadcast_buffers: bool = True,
@@ -78,7 +84,12 @@ class DDP(ReplicatedWrapper):
         device_ids: Optional[Sequence[Union[int, torch.device]]] = None,
         output_device: Optional[Union[int, torch.device]] = None,
         find_unused_parameters: bool = True,
+        process_group: Optional[dist.ProcessGroup] = None,
+        gradient_as_bucket_view: bool = True,
+        static_graph: bool = False,
     ) -> None:
+        _check_every_rank(process_group)
+        bucket_cap_mb = 25.0 if bucket_cap_mb is None else bucket_cap_mb  # torch's default
         if not isinstance(bucket_cap_mb, (int, float)) or not bucket_cap_mb > 0:
             raise ValueError(
                 f"bucket_cap_mb must be a positive number, got {bucket_cap_mb!r} (torch DDP's "
@@ -186,6 +197,18 @@ def _as_device(device: Union[int, str, torch.device]) -> torch.device:
 
 
 @torch.no_grad()
+def _check_every_rank(group: Optional[dist.ProcessGroup]) -> None:
+    """Refuse a ``process_group`` that leaves ranks out: DDP averages over every rank."""
+    if group is None or dist.get_world_size(group) == dist.get_world_size():
+        return
+    raise ValueError(
+        f"DDP(process_group=...) with {dist.get_world_size(group)} of "
+        f"{dist.get_world_size()} ranks: tiny_fsdp's DDP averages gradients over every rank "
+        "(leave process_group out); for replicas of shards across nodes use "
+        "FSDP(model, mesh=hsdp_mesh())"
+    )
+
+
 def _broadcast_from_rank0(module: nn.Module) -> None:
     """Make every rank start from rank 0's parameters and buffers."""
     for param in module.parameters():
