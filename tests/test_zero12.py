@@ -754,3 +754,62 @@ def test_parameters_no_rank_used_are_not_stepped() -> None:
     skipped by the optimizer (no weight decay, no momentum), as torch.optim skips a None grad."""
     # 3 ranks: the branch is used by one rank and skipped by two, then used by none.
     assert run_distributed(_unused_worker, 3)[0] == ["zero1", "zero2"]
+
+
+# ----------------------------------------------------------------------------- outside writes
+
+OUTSIDE_WRITES = ("model.module.load_state_dict", "copy_ under no_grad")
+
+
+def _write_outside(how: str, model: nn.Module, target: Dict[str, torch.Tensor]) -> None:
+    if how == "model.module.load_state_dict":  # torch DDP code's way to load
+        model.module.load_state_dict(target)
+    else:
+        with torch.no_grad():
+            for name, param in model.module.named_parameters():
+                param.copy_(target[name])
+
+
+def _outside_writes_worker(rank: int, world_size: int) -> List[str]:
+    from tiny_fsdp.core import MixedPrecisionPolicy, Zero1, Zero1SGD, Zero2, Zero2SGD
+
+    torch.manual_seed(0)
+    plain = nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 3))
+    target = {k: v + 1.0 for k, v in plain.state_dict().items()}
+    x = torch.randn(4, 6, generator=torch.Generator().manual_seed(rank))
+    setups = {  # parameters below 32 bits: the optimizer keeps separate fp32 masters
+        "a bf16 model": (lambda: copy.deepcopy(plain).to(torch.bfloat16), None),
+        "a bf16 policy": (lambda: copy.deepcopy(plain), MixedPrecisionPolicy(torch.bfloat16)),
+    }
+    seen = []
+    for wrapper, optim in ((Zero1, Zero1SGD), (Zero2, Zero2SGD)):
+        for setup, (make, policy) in setups.items():
+            for how in ("the wrapper's load_state_dict",) + OUTSIDE_WRITES:
+                model = wrapper(make(), mixed_precision=policy)
+                optimizer = optim(model.named_parameters(), lr=0.1)
+                for step in range(2):  # the write comes between two steps
+                    if step == 1 and how.startswith("the wrapper"):
+                        model.load_state_dict(target)
+                    elif step == 1:
+                        _write_outside(how, model, target)
+                    model(x.to(next(model.parameters()).dtype)).float().square().mean().backward()
+                    optimizer.step()
+                    optimizer.zero_grad()
+                state = model.state_dict()
+                if how.startswith("the wrapper"):
+                    expected = state  # the path that always re-read the masters
+                    continue
+                what = f"{wrapper.__name__}, {setup}, {how}"
+                for key, value in expected.items():  # not undone by the step's write-back
+                    assert torch.equal(state[key], value), f"{what}: {key} lost the write"
+                seen.append(what)
+    return seen
+
+
+def test_parameters_written_outside_the_optimizer_are_kept() -> None:
+    """A write to the parameters between steps (loading through the inner model as torch DDP
+    code does, a copy_ under no_grad) is where the next step starts from, as after the
+    wrapper's own load_state_dict, also when the optimizer keeps separate fp32 masters
+    ([Note: writes outside the optimizer] in ``tiny_fsdp/core/zero/optim.py``)."""
+    seen = run_distributed(_outside_writes_worker, 2)[0]
+    assert len(seen) == 2 * 2 * len(OUTSIDE_WRITES)

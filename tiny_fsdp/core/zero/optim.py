@@ -69,6 +69,7 @@ class _ZeroOptimizer:
         self._pieces: Dict[int, List[OwnedPiece]] = {}  # id(param group) -> its pieces
         self._consolidated: Optional[Dict[str, Any]] = None
         super().__init__(params, *args, **kwargs)  # type: ignore[call-arg]
+        self._versions_seen = self._param_versions()  # [Note: writes outside the optimizer]
 
     def add_param_group(self, param_group: Dict[str, Any]) -> None:
         super().add_param_group(param_group)  # type: ignore[misc]
@@ -155,6 +156,7 @@ class _ZeroOptimizer:
                 "scaling use Zero1, DDP, FSDP or Zero3 (with torch.amp.GradScaler); bf16 needs "
                 "no loss scaling."
             )
+        self._follow_outside_writes()
         loss = super().step(closure)  # type: ignore[misc]
         if self._wrapper.grads_reduced:  # the same on every rank: collectives stay paired
             self._publish()
@@ -173,9 +175,27 @@ class _ZeroOptimizer:
         if self._master_shard is not None:
             for op in self._all_pieces():
                 op.master.copy_(op.param)
+        self._versions_seen = self._param_versions()
+
+    def _param_versions(self) -> int:
+        return sum(p._version for group in self.param_groups for p in group["params"])
+
+    def _follow_outside_writes(self) -> None:
+        """[Note: writes outside the optimizer]
+
+        With parameters below 32 bits the optimizer updates separate fp32 masters and writes
+        them back rounded. A write to the parameters from outside (``model.module.load_state_dict``
+        as torch DDP code loads, ``nn.init`` or ``copy_`` under ``no_grad``) would be undone by
+        the next step's write-back, silently. Every in-place write through a parameter bumps its
+        version counter, which the optimizer's own write-back (through the flat buffer, not the
+        parameter) does not: a changed sum of versions means the masters are re-read first.
+        """
+        if self._master_shard is not None and self._param_versions() != self._versions_seen:
+            self.reload_masters()
 
     def state_pieces(self, saving: bool) -> List[StatePiece]:
         """The owned pieces, whose state is keyed by their masters ([Note: strategy state])."""
+        self._follow_outside_writes()
         params = [p for g in self.param_groups for p in g["params"]]
         separate = self._master_shard is not None
         return [
@@ -199,6 +219,7 @@ class _ZeroOptimizer:
     def consolidate_state_dict(self, to: int = 0) -> None:
         """Gather the full optimizer state on rank ``to`` (call on every rank); then call
         ``state_dict()`` there. Format: [Note: consolidated ZeRO state]."""
+        self._follow_outside_writes()
         self._consolidated = consolidate(
             self._wrapper,
             self._all_pieces(),
@@ -235,6 +256,7 @@ class _ZeroOptimizer:
         self.state.update(slice_pieces(self._all_pieces(), state_dict["state"]))
         self._consolidated = None
         self._publish()
+        self._versions_seen = self._param_versions()  # the masters are the loaded ones
 
 
 class Zero1AdamW(_ZeroOptimizer, AdamW):
