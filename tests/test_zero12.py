@@ -758,12 +758,16 @@ def test_parameters_no_rank_used_are_not_stepped() -> None:
 
 # ----------------------------------------------------------------------------- outside writes
 
-OUTSIDE_WRITES = ("model.module.load_state_dict", "copy_ under no_grad")
+OUTSIDE_WRITES = ("model.module.load_state_dict", "copy_ under no_grad", "nn.init")
+TARGET = 0.5  # every element of every parameter after the write
 
 
 def _write_outside(how: str, model: nn.Module, target: Dict[str, torch.Tensor]) -> None:
     if how == "model.module.load_state_dict":  # torch DDP code's way to load
         model.module.load_state_dict(target)
+    elif how == "nn.init":
+        for param in model.module.parameters():
+            nn.init.constant_(param, TARGET)
     else:
         with torch.no_grad():
             for name, param in model.module.named_parameters():
@@ -775,7 +779,7 @@ def _outside_writes_worker(rank: int, world_size: int) -> List[str]:
 
     torch.manual_seed(0)
     plain = nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 3))
-    target = {k: v + 1.0 for k, v in plain.state_dict().items()}
+    target = {k: torch.full_like(v, TARGET) for k, v in plain.state_dict().items()}
     x = torch.randn(4, 6, generator=torch.Generator().manual_seed(rank))
     setups = {  # parameters below 32 bits: the optimizer keeps separate fp32 masters
         "a bf16 model": (lambda: copy.deepcopy(plain).to(torch.bfloat16), None),
@@ -808,7 +812,7 @@ def _outside_writes_worker(rank: int, world_size: int) -> List[str]:
 
 def test_parameters_written_outside_the_optimizer_are_kept() -> None:
     """A write to the parameters between steps (loading through the inner model as torch DDP
-    code does, a copy_ under no_grad) is where the next step starts from, as after the
+    code does, a copy_ under no_grad, an nn.init) is where the next step starts from, as after the
     wrapper's own load_state_dict, also when the optimizer keeps separate fp32 masters
     ([Note: writes outside the optimizer] in ``tiny_fsdp/core/zero/optim.py``)."""
     seen = run_distributed(_outside_writes_worker, 2)[0]
