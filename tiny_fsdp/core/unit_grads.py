@@ -51,6 +51,7 @@ from torch import nn
 
 from tiny_fsdp.core.module.handler import Params
 from tiny_fsdp.core.unit_layout import grouped, unit_params
+from tiny_fsdp.core.utils import huge_pages
 
 Column = Tuple[int, int]  # (group index, offset of the parameter in its group)
 
@@ -146,7 +147,7 @@ class UnitGradients:
         for group in self._groups:
             dtype = self.state.reduce_dtype(group[0].dtype) if sync else group[0].dtype
             numel = sum(self.numel_in_group(p) for p in group)
-            self._buffers.append(like.new_empty(self.buffer_numel(numel), dtype=dtype))
+            self._buffers.append(huge_pages.empty(self.buffer_numel(numel), dtype, like.device))
         self._live_bytes = sum(_nbytes(b) for b in self._buffers)
         self.state.reductions.stats.track(self._live_bytes)
 

@@ -13,6 +13,7 @@ from torch import nn
 
 from tiny_fsdp.core.fsdp.sharded_param import shard_info
 from tiny_fsdp.core.unit_grads import UnitGradients
+from tiny_fsdp.core.utils import huge_pages
 
 
 class ReduceScatterGrads(UnitGradients):
@@ -45,7 +46,8 @@ class ReduceScatterGrads(UnitGradients):
     def reduce_group(
         self, group: List[nn.Parameter], buffer: torch.Tensor, unused: FrozenSet[int]
     ) -> None:
-        reduced = buffer.new_empty(buffer.numel() // self.state.world_size)  # this rank's row
+        numel = buffer.numel() // self.state.world_size
+        reduced = huge_pages.empty(numel, buffer.dtype, buffer.device)  # this rank's row
         parts, offset = [], 0
         for param in group:
             info = shard_info(param)

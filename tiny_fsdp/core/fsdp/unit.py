@@ -45,6 +45,7 @@ from tiny_fsdp.core.fsdp.state import FSDPState
 from tiny_fsdp.core.full_unit import FullUnit
 from tiny_fsdp.core.unit_layout import grouped, unit_params
 from tiny_fsdp.core.streams import GATHER, CommHandle, Launch
+from tiny_fsdp.core.utils import huge_pages
 
 # One collective per entry: (handle, output (world * numel,), input kept alive until waited).
 PendingGather = List[Tuple[CommHandle, torch.Tensor, torch.Tensor]]
@@ -86,7 +87,7 @@ class GatherUnit(FullUnit):
             numel = sum(shard.numel() for shard in shards)
             # Mixed precision: cast the shard, not the gathered tensor: half the bytes travel.
             dtype = self.state.gather_dtype(shards[0].dtype)
-            out = shards[0].new_empty(world * numel, dtype=dtype)  # (world * group_numel,)
+            out = huge_pages.empty(world * numel, dtype, shards[0].device)  # (world * numel,)
             # In place: this rank's shards go straight into their chunk of the output, one
             # copy (and cast) instead of a concatenation and a copy ([Note: collectives on gloo]).
             own = out.view(world, numel)[rank]
@@ -112,7 +113,7 @@ class GatherUnit(FullUnit):
             grid = out.view(world, sum(i.shard_numel for i in infos))  # row r: rank r's shards
             offset = 0
             for param, info in zip(group, infos):
-                tensor = out.new_empty(info.full_shape)
+                tensor = huge_pages.empty(info.full_shape, out.dtype, out.device)
                 info.copy_out(grid[:, offset : offset + info.shard_numel], tensor)
                 self.state.track_gathered(_nbytes(tensor))
                 full_bytes += _nbytes(tensor)

@@ -51,6 +51,7 @@ from tiny_fsdp.core import comm
 from tiny_fsdp.core.full_unit import FullUnit
 from tiny_fsdp.core.streams import GATHER, CommHandle
 from tiny_fsdp.core.unit_layout import grouped, unit_params
+from tiny_fsdp.core.utils import huge_pages
 from tiny_fsdp.core.zero3.runtime import ATTR, TensorInfo, Zero3Runtime, owner_and_dtype
 
 
@@ -95,11 +96,11 @@ class BroadcastUnit(FullUnit):
                 continue
             if own and len(group) == 1:
                 flat = group[0].detach().reshape(-1).to(dtype)  # no copy unless cast
-            elif own:  # the owned tensors concatenated (and cast): a send buffer
-                flat = torch.cat([p.detach().reshape(-1) for p in group]).to(dtype)
-            else:
+            else:  # own: the owned tensors concatenated (and cast), a send buffer
                 numel = sum(_info(p).shape.numel() for p in group)
-                flat = torch.empty(numel, dtype=dtype, device=group[0].device)
+                flat = huge_pages.empty(numel, dtype, group[0].device)
+                if own:
+                    torch.cat([p.detach().reshape(-1) for p in group], out=flat)
             if not (own and len(group) == 1 and not cast):  # a buffer made for this fetch
                 rt.stats.add(flat)
                 buffers.append(flat)
