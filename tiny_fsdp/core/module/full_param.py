@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 from tiny_fsdp.core.module.layer import local_param
+from tiny_fsdp.core.utils import huge_pages
 
 
 class FullParam:
@@ -55,6 +56,7 @@ class FullParam:
         storage = full.untyped_storage()
         if storage.size() != nbytes:
             storage.resize_(nbytes)
+            huge_pages.advise(full)  # [Note: huge pages for transient buffers]
         with torch.no_grad():
             full.data.copy_(source)  # .data: the version counter does not move
         return made

@@ -30,16 +30,19 @@ def empty(
 ) -> torch.Tensor:
     """``torch.empty(shape, dtype, device)``; on the CPU, a large block faults in huge pages."""
     tensor = torch.empty(shape, dtype=dtype, device=device)
-    nbytes = tensor.numel() * tensor.element_size()
-    if tensor.device.type == "cpu" and nbytes >= MIN_BYTES:
-        _advise(tensor.data_ptr(), nbytes)
+    advise(tensor)
     return tensor
 
 
-def _advise(start: int, nbytes: int) -> None:
+def advise(tensor: torch.Tensor) -> None:
+    """Ask for huge pages behind ``tensor``'s memory, not yet touched (a new CPU block)."""
+    nbytes = tensor.numel() * tensor.element_size()
+    if tensor.device.type != "cpu" or nbytes < MIN_BYTES:
+        return
     madvise = _libc_madvise()
     if madvise is None:
         return
+    start = tensor.data_ptr()
     first = -(-start // _PAGE) * _PAGE  # the whole 2 MiB pages inside the block
     last = (start + nbytes) // _PAGE * _PAGE
     if last > first and madvise(first, last - first, _MADV_HUGEPAGE) != 0:
