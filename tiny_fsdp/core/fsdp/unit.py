@@ -28,10 +28,11 @@ gathered for the whole step, as in FSDP2, and a block is gathered at once instea
 Hence ``"auto"`` is the default: it finds the blocks itself, so the fast layout needs no
 knowledge of the model from the user; ``"layer"`` gathers the least at a time (less memory).
 With the defaults (``"auto"``, one reduce-scatter per unit, asynchronous reductions, gloo
-collectives as broadcasts / reduces), ``torchrun --nproc_per_node=2 example/benchmark.py --model
-gpt2_mini --batch_size 4 --seq_len 256 --one_phase --steps 12`` measured FSDP at 0.94 x FSDP2's
-step time and 1.05 x our DDP's, ZeRO-3 at 0.90 x FSDP2 (median of per-round ratios, load average
-2.0-2.3 on 2 cores; the README's benchmark table).
+collectives as broadcasts / reduces, in-place all-gathers, buffers in huge pages: [Note: huge
+pages for transient buffers]), ``torchrun --nproc_per_node=2 example/benchmark.py --model
+gpt2_mini --batch_size 4 --seq_len 256 --one_phase --steps 14`` measured FSDP at 0.91 x FSDP2's
+step time and 1.03 x our DDP's, ZeRO-3 at 0.90 x FSDP2 and 1.01 x DDP (median of per-round
+ratios, load average 1.6-2.0 on 2 cores; 4 ranks: 0.92, 1.02, 0.91, 1.03).
 """
 
 from typing import Any, Dict, List, Sequence, Tuple
