@@ -177,6 +177,24 @@ def _fsdp_batch_longer_than_block_size(rank: int, world_size: int) -> None:
     FSDP(make_model())(torch.zeros(1, CFG.block_size + 1, dtype=torch.long))
 
 
+def _gradient_hook(strategy: str, kind: str) -> Callable[[int, int], None]:
+    """A hook on a parameter (``kind``: "hook" or "post-accumulate"), registered after
+    wrapping, then a training forward. Module hooks are fine (``tests/test_hooks.py``)."""
+
+    def run(rank: int, world_size: int) -> None:
+        wrapped, _ = build(strategy, make_model(), None)
+        weight = wrapped.module.transformer.h[0].mlp.c_fc.weight
+        if kind == "hook":
+            weight.register_hook(lambda grad: grad * 2)
+        else:
+            weight.register_post_accumulate_grad_hook(lambda param: None)
+        with torch.no_grad():  # no graph: no gradient, no hook called, nothing refused
+            wrapped(torch.zeros(1, 4, dtype=torch.long))
+        wrapped(torch.zeros(1, 4, dtype=torch.long))
+
+    return run
+
+
 def _collective_of_a_transposed_tensor(rank: int, world_size: int) -> None:
     from tiny_fsdp.core import comm
 
@@ -245,6 +263,11 @@ CASES: Dict[str, Callable[[int, int], None]] = {
     "tied-table-other-owner": _zero3_table_splitting_the_tied_weight(same_owner=False),
     "batch-longer-than-block": _fsdp_batch_longer_than_block_size,
     "collective-non-contiguous": _collective_of_a_transposed_tensor,
+    **{
+        f"{kind}-{s}": _gradient_hook(s, kind)
+        for s in ["zero3", "fsdp"]
+        for kind in ["hook", "post-accumulate"]
+    },
     "broadcast-into-any-layout": _broadcast_into_tensors_of_any_layout,
     **{
         f"moved-{how}-{s}": _moved_after_wrapping(s, how)
@@ -258,6 +281,7 @@ UNSUPPORTED = r"_Scale.forward returns its parameter 'gain'.*Return a computed t
 TABLE_NAMES = r"another model: parameters missing from the table \['transformer.h.0.ln_1.bias'"
 TABLE_OWNERS = r"owned by rank \d in the model but by \d in param_part_table; pass the table"
 CHECKPOINT = r"(size mismatch|shape).*transformer.wte.weight|transformer.wte.weight.*shape"
+HOOKED = r"{}: parameters \['transformer.h.0.mlp.c_fc.weight'\] have gradient hooks.*use DDP"
 EXPECTED: Dict[str, Tuple[type, str]] = {
     **{f"unsupported-{s}": (UnsupportedModuleError, UNSUPPORTED) for s in ["zero3", "fsdp"]},
     **{f"unsupported-{s}": (type(None), "") for s in ["ddp", "zero1", "zero2"]},  # stay whole
@@ -295,6 +319,11 @@ EXPECTED: Dict[str, Tuple[type, str]] = {
         r"broadcast: tensor of shape \(2, 3\).*not contiguous",
     ),
     "broadcast-into-any-layout": (type(None), ""),  # [Note: contiguous payloads]
+    **{
+        f"{kind}-{s}": (RuntimeError, HOOKED.format(s.title() if s == "zero3" else "FSDP"))
+        for s in ["zero3", "fsdp"]
+        for kind in ["hook", "post-accumulate"]
+    },
     **{
         f"moved-to-meta-{s}": (RuntimeError, r"cannot move or replace 'transformer.wte.weight' "
                                r"\(cpu\) after wrapping.*Move the model before wrapping")

@@ -23,6 +23,7 @@ from tiny_fsdp.core.unit_module import watch_unit_module
 from tiny_fsdp.core.unit_state import UnitState
 from tiny_fsdp.core.wrapper import DataParallelWrapper
 from tiny_fsdp.core.utils.eager import eager
+from tiny_fsdp.core.wrap_checks import check_no_param_hooks
 
 
 class FetchingWrapper(DataParallelWrapper):
@@ -71,6 +72,8 @@ class FetchingWrapper(DataParallelWrapper):
 
     @eager  # [Note: torch.compile]
     def forward(self, *args: Any, **kwargs: Any) -> Any:
+        if torch.is_grad_enabled():
+            check_no_param_hooks(self.module, type(self).__name__)
         self._prefetcher.pre_forward(self.enable_async_communication, torch.is_grad_enabled())
         try:
             return self._reads(lambda: self.module(*args, **kwargs))  # [Note: outside reads]

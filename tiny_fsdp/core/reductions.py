@@ -24,8 +24,9 @@ on this rank's whole shard would be taken for no gradient; this test reads the p
 host, only for such parts, so a model whose ranks use every parameter never syncs here.)
 Accumulation across backwards, ``no_sync`` (nothing is launched: the strategies sum locally),
 clipping after ``backward()``, tied and frozen parameters (no part) keep their meaning. Two
-differences from autograd's accumulation: ``register_post_accumulate_grad_hook`` hooks of these
-parameters do not fire, and ``torch.autograd.grad(..., inputs=params)`` returns None for them
+differences from autograd's accumulation: gradient hooks on these parameters would be called
+without the gradient, so a forward refuses them (``check_no_param_hooks`` in
+``wrap_checks.py``), and ``torch.autograd.grad(..., inputs=params)`` returns None for them
 (their gradients still go to ``.grad``). Last, ``on_finalized`` (the strategy's) gets the
 delivered gradients: it reshards what the backward left full and the ranks agree on overflow
 ([Note: agreeing on overflow]).

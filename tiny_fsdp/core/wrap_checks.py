@@ -51,3 +51,28 @@ def check_no_shared_storage(module: nn.Module, what: str) -> None:
                 "them by assigning one Parameter to both modules (e.g. b.weight = a.weight)."
             )
         seen[key] = name
+
+
+def check_no_param_hooks(module: nn.Module, what: str) -> None:
+    """Raise if a parameter of a sharding strategy's model has a gradient hook.
+
+    Under FSDP and ZeRO-3 a layer computes the gradient of the full tensor it was given, and the
+    strategy reduces it into each rank's part at the end of the backward: autograd would call a
+    ``register_hook`` hook of the local parameter with None, a post-accumulate-grad hook before
+    ``.grad`` is set (FSDP2 skips the former silently). Checked before each forward that
+    records a graph (a hook registered after wrapping counts too).
+    """
+    hooked = [
+        name
+        for name, param in module.named_parameters()
+        if param._backward_hooks or getattr(param, "_post_accumulate_grad_hooks", None)
+    ]
+    if hooked:
+        raise RuntimeError(
+            f"{what}: parameters {hooked[:4]} have gradient hooks (Tensor.register_hook / "
+            f"register_post_accumulate_grad_hook). {what} computes each gradient on a full "
+            "tensor gathered for the layer and reduces it into this rank's part after the "
+            "backward, so autograd would call these hooks without the gradient. Change p.grad "
+            "after backward() instead (this rank's part of the averaged gradient), or use DDP, "
+            "Zero1 or Zero2, whose parameter hooks see the local gradient as under torch's DDP."
+        )
