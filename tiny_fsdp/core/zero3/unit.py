@@ -96,7 +96,7 @@ class BroadcastUnit(FullUnit):
                 continue
             if own and len(group) == 1:
                 flat = group[0].detach().reshape(-1).to(dtype)  # no copy unless cast
-            else:  # own: the owned tensors concatenated (and cast), a send buffer
+            else:  # a buffer: to send the owned tensors concatenated (and cast), or to receive
                 numel = sum(_info(p).shape.numel() for p in group)
                 flat = huge_pages.empty(numel, dtype, group[0].device)
                 if own:
