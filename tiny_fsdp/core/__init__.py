@@ -9,7 +9,12 @@ The earlier Tiny-FSDP imports keep working::
 """
 
 from tiny_fsdp.core import clip
-from tiny_fsdp.core.clip import clip_grad_norm_, clip_grad_value_
+from tiny_fsdp.core.clip import (
+    clip_grad_norm_,
+    clip_grad_value_,
+    clip_grads_with_norm_,
+    get_total_norm,
+)
 from tiny_fsdp.core.ddp import DDP, DDPSGD, DDPAdamW
 from tiny_fsdp.core.fsdp import FSDP, FSDPSGD, FSDPAdamW
 from tiny_fsdp.core.module import (
@@ -42,6 +47,8 @@ clip.install()  # torch.nn.utils.clip_grad_norm_ over ranks ([Note: clipping wit
 __all__ = [
     "clip_grad_norm_",
     "clip_grad_value_",
+    "clip_grads_with_norm_",
+    "get_total_norm",
     "SGD",
     "AdamW",
     "DDP",

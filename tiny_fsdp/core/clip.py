@@ -15,9 +15,14 @@ of the replicated ones combined with the sharded ones' norm summed over the grou
 powers; the maximum for ``inf``), and every held gradient is scaled in place by
 ``min(1, max_norm / (norm + 1e-6))``, torch's arithmetic. Every rank must call it (it
 all-reduces), as with FSDP2. ``clip_grad_value_`` likewise clamps the held gradients
-(element by element: no communication; under ZeRO-2 torch's found none and raised). A script
-that imported torch's functions by name before importing tiny_fsdp keeps torch's:
-``tiny_fsdp.core.clip_grad_norm_`` / ``clip_grad_value_`` are the same functions.
+(element by element: no communication; under ZeRO-2 torch's found none and raised). The two
+halves of ``clip_grad_norm_`` that torch also offers (torchtitan's way) are replaced alike:
+``get_total_norm(grads)`` takes gradient tensors, so it recognises the ``.grad`` shards of FSDP
+/ ZeRO-3 parameters among them (looked up in the live wrappers) and combines their norm over
+the group; ``clip_grads_with_norm_(params, max_norm, total)`` scales what this rank holds.
+(ZeRO-2 keeps no ``.grad``, so a norm of ``p.grad`` tensors finds none there: clip with
+``clip_grad_norm_``.) A script that imported torch's functions by name before importing
+tiny_fsdp keeps torch's: the functions are also ``tiny_fsdp.core``'s.
 """
 
 import math
@@ -28,10 +33,12 @@ import torch.distributed as dist
 
 from tiny_fsdp.core import comm
 from tiny_fsdp.core.optim.base import sum_of_squares
-from tiny_fsdp.core.ownership import owner_of
+from tiny_fsdp.core.ownership import live_wrappers, owner_of
 
 _TORCH_CLIP = torch.nn.utils.clip_grad_norm_
 _TORCH_CLIP_VALUE = torch.nn.utils.clip_grad_value_
+_TORCH_TOTAL_NORM = torch.nn.utils.get_total_norm
+_TORCH_CLIP_WITH_NORM = torch.nn.utils.clip_grads_with_norm_
 
 
 class HeldGrads(NamedTuple):
@@ -59,22 +66,71 @@ def clip_grad_norm_(
     params = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
     if all(owner_of(param) is None for param in params):
         return _TORCH_CLIP(params, max_norm, norm_type, error_if_nonfinite, foreach)
+    held = _held_grads(params)
+    total = _total_norm(held, norm_type, error_if_nonfinite, params[0].device)
+    _scale(held, max_norm, total)
+    return total
+
+
+@torch.no_grad()
+def get_total_norm(
+    tensors: Union[torch.Tensor, Iterable[torch.Tensor]],
+    norm_type: float = 2.0,
+    error_if_nonfinite: bool = False,
+    foreach: Optional[bool] = None,
+) -> torch.Tensor:
+    """``torch.nn.utils.get_total_norm`` over ranks: gradients (``p.grad``) of FSDP / ZeRO-3
+    parameters are this rank's shards, so their norm is combined over the shard group, as
+    ``clip_grad_norm_`` does; any other tensor counts as every rank's own. Every rank calls
+    it when any tensor is such a shard (as with FSDP2's DTensor norm)."""
+    tensors = [tensors] if isinstance(tensors, torch.Tensor) else list(tensors)
+    shards = _shard_groups(tensors)
+    if not shards:
+        return _TORCH_TOTAL_NORM(tensors, norm_type, error_if_nonfinite, foreach)
+    held = [HeldGrads([t for t in tensors if id(t) not in shards], sharded=False)]
+    for group in {id(g): g for g in shards.values()}.values():
+        mine = [t for t in tensors if id(t) in shards and shards[id(t)] is group]
+        held.append(HeldGrads(mine, sharded=True, group=group))
+    return _total_norm(held, norm_type, error_if_nonfinite, tensors[0].device)
+
+
+@torch.no_grad()
+def clip_grads_with_norm_(
+    parameters: Union[torch.Tensor, Iterable[torch.Tensor]],
+    max_norm: float,
+    total_norm: torch.Tensor,
+    foreach: Optional[bool] = None,
+) -> None:
+    """``torch.nn.utils.clip_grads_with_norm_`` for parameters of any wrapper: the gradients
+    this rank holds (ZeRO-1/2: its reduced chunks) scaled by ``max_norm / total_norm``."""
+    params = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
+    if all(owner_of(param) is None for param in params):
+        return _TORCH_CLIP_WITH_NORM(params, max_norm, total_norm, foreach)
+    _scale(_held_grads(params), max_norm, total_norm)
+    return None
+
+
+def _total_norm(
+    held: List[HeldGrads], norm_type: float, error_if_nonfinite: bool, device: torch.device
+) -> torch.Tensor:
+    """The ``norm_type``-norm over ranks of ``held``: replicated tensors counted once, sharded
+    ones summed over their group (``p``-th powers; the maximum for ``inf``)."""
     p = float(norm_type)
     if not (p > 0):
-        raise ValueError(f"clip_grad_norm_ over ranks needs norm_type > 0, got {norm_type}")
+        raise ValueError(f"a gradient norm over ranks needs norm_type > 0, got {norm_type}")
     replicated: List[torch.Tensor] = []
     sharded: List[torch.Tensor] = []
     groups: Dict[int, Any] = {}
-    for held in _held_grads(params):
-        if held.sharded:
-            groups[id(held.group)] = held.group
-        (sharded if held.sharded else replicated).extend(g.detach() for g in held.grads)
+    for part in held:
+        if part.sharded:
+            groups[id(part.group)] = part.group
+        (sharded if part.sharded else replicated).extend(g.detach() for g in part.grads)
     if len(groups) > 1:
         raise NotImplementedError(
-            "clip_grad_norm_: these parameters are sharded over different process groups; clip "
-            "each wrapper's parameters in its own call"
+            "a gradient norm over parameters sharded over different process groups; take "
+            "each wrapper's norm in its own call"
         )
-    device = (replicated + sharded + [params[0]])[0].device
+    device = (replicated + sharded)[0].device if replicated + sharded else device
     total = _local_norm(replicated, p, device)
     if groups:
         (group,) = groups.values()
@@ -92,10 +148,29 @@ def clip_grad_norm_(
             "non-finite, so it cannot be clipped. To disable this error and scale the gradients "
             "by the non-finite norm anyway, set `error_if_nonfinite=False`"
         )
-    coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
-    for grad in replicated + sharded:
-        grad.mul_(coef.to(grad.device))
     return total
+
+
+def _scale(held: List[HeldGrads], max_norm: float, total: torch.Tensor) -> None:
+    """Scale every held gradient by ``min(1, max_norm / (total + 1e-6))``, torch's arithmetic."""
+    coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+    for part in held:
+        for grad in part.grads:
+            grad.detach().mul_(coef.to(grad.device))
+
+
+def _shard_groups(tensors: List[torch.Tensor]) -> Dict[int, Any]:
+    """id of each tensor that is the gradient shard of an FSDP / ZeRO-3 parameter -> its group."""
+    wanted = {id(t) for t in tensors}
+    found: Dict[int, Any] = {}
+    for wrapper in live_wrappers():
+        if not wrapper.gathers_full_tensors:  # DDP, ZeRO-1/2: .grad is the whole average
+            continue
+        held = wrapper.held_grads(list(wrapper.parameters()))
+        for grad in held.grads:
+            if id(grad) in wanted:
+                found[id(grad)] = held.group
+    return found
 
 
 @torch.no_grad()
@@ -150,7 +225,9 @@ def _local_norm(grads: List[torch.Tensor], p: float, device: torch.device) -> to
 
 
 def install() -> None:
-    """Put ``clip_grad_norm_`` and ``clip_grad_value_`` in torch's place (see the note)."""
+    """Put the functions above in torch's place (see the note)."""
     for module in (torch.nn.utils, torch.nn.utils.clip_grad):
         module.clip_grad_norm_ = clip_grad_norm_
         module.clip_grad_value_ = clip_grad_value_
+    torch.nn.utils.get_total_norm = get_total_norm
+    torch.nn.utils.clip_grads_with_norm_ = clip_grads_with_norm_

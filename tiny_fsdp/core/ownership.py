@@ -14,11 +14,12 @@ shape) is the strategy's own business and lives with the strategy.
 """
 
 import weakref
-from typing import Any, Optional
+from typing import Any, List, Optional
 
 import torch
 
 OWNER_ATTR = "_tiny_fsdp_owner"
+_LIVE: "weakref.WeakSet[Any]" = weakref.WeakSet()  # every wrapper that tagged a tensor
 
 
 def owner_of(tensor: torch.Tensor) -> Optional[Any]:
@@ -30,3 +31,9 @@ def owner_of(tensor: torch.Tensor) -> Optional[Any]:
 def tag_owner(tensor: torch.Tensor, wrapper: Any) -> None:
     """Mark ``tensor`` as managed by ``wrapper`` ([Note: ownership tag])."""
     setattr(tensor, OWNER_ATTR, weakref.ref(wrapper))
+    _LIVE.add(wrapper)
+
+
+def live_wrappers() -> List[Any]:
+    """The wrappers alive in this process (a gradient tensor carries no tag: look there)."""
+    return list(_LIVE)
