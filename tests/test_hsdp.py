@@ -153,8 +153,8 @@ def test_every_layout_matches_single_device_and_pytorch_ddp() -> None:
 
 def _features(rank: int, world_size: int) -> Dict[str, float]:
     """gpt2_tiny on 2 x 2 with its tied wte / lm_head, a frozen wpe, gradient checkpointing,
-    two no_sync micro-batches per step and clipping, against one device; then 1 x 4 against
-    plain FSDP (bitwise), and bf16 mixed precision against plain FSDP."""
+    two no_sync micro-batches per step and clipping, against one device, and a copy of it;
+    then 1 x 4 against plain FSDP (bitwise), and bf16 mixed precision against plain FSDP."""
     out: Dict[str, float] = {}
     reference = make_model(0)
     reference.transformer.wpe.weight.requires_grad_(False)
@@ -190,6 +190,10 @@ def _features(rank: int, world_size: int) -> Dict[str, float]:
     assert torch.equal(full["lm_head.weight"], full["transformer.wte.weight"])
     wpe = [p for n, p in model.module.named_parameters() if n.endswith("wpe.weight")][0]
     assert wpe.grad is None and len(opt.state[wpe]) == 0  # frozen: no gradient, no state
+    # A copy (an EMA model, a teacher) runs on the same groups ([Note: copying a wrapped model]).
+    x = local_slice(global_batch(0, 2 * world_size, 8, vocab)[0], rank, world_size)
+    with torch.no_grad():
+        out["copy"] = (copy.deepcopy(model)(x) - model(x)).abs().max().item()
 
     # 1 x 4 is plain FSDP over all ranks, collective for collective: bitwise the same.
     runs = {}
@@ -232,6 +236,7 @@ def test_tied_frozen_checkpointing_no_sync_clipping_and_mixed_precision() -> Non
         assert out["single"] <= PARAM_ATOL, out  # as tests/parity.py
         assert out["norm"] <= 1e-5, out  # a norm counted twice would be sqrt(2) too large
         assert out["bf16"] <= 1e-4, out
+        assert out["copy"] == 0.0, out
 
 
 # ----------------------------------------------------------------------- FSDP2's HSDP

@@ -91,3 +91,13 @@ class FullUnit:
     def _clear_released(self) -> None:
         for released in self._released.values():
             released.clear()
+
+
+def copied_model_error(what: str) -> RuntimeError:
+    """The error of a unit whose parameters lost the strategy's tag: a copy of the inner model."""
+    return RuntimeError(
+        f"a parameter of this {what} model has no {what} tag: the inner model was copied "
+        "(copy.deepcopy(model.module)), which copies this rank's part of each tensor without "
+        "the strategy. Copy the wrapper instead: copy.deepcopy(model), or "
+        "torch.optim.swa_utils.AveragedModel(model) ([Note: copying a wrapped model])."
+    )

@@ -36,6 +36,7 @@ tensors. The wrapper then tags every parameter as its own.
 """
 
 import contextlib
+import copy
 import weakref
 from collections import OrderedDict
 from typing import Any, Dict, Iterator, List, Mapping, NamedTuple, Optional, Sequence, Tuple
@@ -145,6 +146,30 @@ class DataParallelWrapper(nn.Module):
         """Tag ``params`` as managed by this wrapper (also new objects made at wrap time)."""
         for param in params:
             tag_owner(param, self)
+
+    def __deepcopy__(self, memo: Dict[int, Any]) -> "DataParallelWrapper":
+        """An independent wrapped model with copies of what this rank holds (an EMA model,
+        ``torch.optim.swa_utils.AveragedModel(model)``, a teacher), on the same ranks.
+
+        [Note: copying a wrapped model]
+        ``nn.Parameter``'s own deepcopy drops the attributes the strategies put on parameters
+        (FSDP's shard geometry, ZeRO-3's owner table entry), without which the copy cannot
+        fetch a full tensor. So each parameter is copied first with them (the geometry is
+        immutable: shared), then the rest as usual, and the copies are tagged as the new
+        wrapper's. No collective: each rank copies its part; every rank must copy (its next
+        forward gathers)."""
+        for param in self.module.parameters():
+            if id(param) not in memo:
+                clone = nn.Parameter(param.detach().clone(), param.requires_grad)
+                clone.__dict__.update(param.__dict__)  # the strategy's tags, shared
+                memo[id(param)] = clone
+        new = type(self).__new__(type(self))
+        memo[id(self)] = new
+        for key, value in self.__dict__.items():
+            new.__dict__[key] = copy.deepcopy(value, memo)
+        for param in new.module.parameters():
+            tag_owner(param, new)
+        return new
 
     def manages(self, tensor: torch.Tensor) -> bool:
         """True if ``tensor`` is a parameter of this wrapper's model."""

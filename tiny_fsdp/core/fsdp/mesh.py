@@ -46,7 +46,7 @@ node-local shard groups, a shard group spanning two nodes.
 import os
 import socket
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, Dict, Optional
 
 import torch.distributed as dist
 
@@ -71,6 +71,11 @@ class MeshGroups:
     replicas: int
     replicate_rank: int
     hybrid: bool = False
+
+    def __deepcopy__(self, memo: Dict[int, Any]) -> "MeshGroups":
+        """The same groups: a copied model runs on the same ranks ([Note: copying a wrapped
+        model]); a process group cannot be copied."""
+        return self
 
     @property
     def shard_label(self) -> Optional[str]:

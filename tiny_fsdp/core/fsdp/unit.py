@@ -43,7 +43,7 @@ from torch import nn
 from tiny_fsdp.core import comm
 from tiny_fsdp.core.fsdp.sharded_param import ShardedParam, shard_info
 from tiny_fsdp.core.fsdp.state import FSDPState
-from tiny_fsdp.core.full_unit import FullUnit
+from tiny_fsdp.core.full_unit import FullUnit, copied_model_error
 from tiny_fsdp.core.unit_layout import grouped, unit_params
 from tiny_fsdp.core.streams import GATHER, CommHandle, Launch
 from tiny_fsdp.core.utils import huge_pages
@@ -84,6 +84,8 @@ class GatherUnit(FullUnit):
         pending: PendingGather = []
         world, rank = self.state.world_size, self.state.rank  # of the shard group
         for group in self.groups:
+            if any(shard_info(param) is None for param in group):
+                raise copied_model_error("FSDP")
             shards = [param.detach().reshape(-1) for param in group]
             numel = sum(shard.numel() for shard in shards)
             # Mixed precision: cast the shard, not the gathered tensor: half the bytes travel.

@@ -48,7 +48,7 @@ import torch
 from torch import nn
 
 from tiny_fsdp.core import comm
-from tiny_fsdp.core.full_unit import FullUnit
+from tiny_fsdp.core.full_unit import FullUnit, copied_model_error
 from tiny_fsdp.core.streams import GATHER, CommHandle
 from tiny_fsdp.core.unit_layout import grouped, unit_params
 from tiny_fsdp.core.utils import huge_pages
@@ -137,4 +137,7 @@ class BroadcastUnit(FullUnit):
 
 
 def _info(param: nn.Parameter) -> TensorInfo:
-    return getattr(param, ATTR)
+    info = getattr(param, ATTR, None)
+    if info is None:
+        raise copied_model_error("Zero3")
+    return info
