@@ -1,7 +1,8 @@
 """Specification: a copy of a wrapped model is an independent model on the same ranks, as a
 copy of the module is under torch's DDP: a frozen teacher (``copy.deepcopy(model)``) keeps the
 outputs it had when copied, an EMA (``torch.optim.swa_utils.AveragedModel(model)``) follows
-the model's average, under every wrapper ([Note: copying a wrapped model] in
+the model's average, and a copy trained on its own trains as the original, under every
+wrapper ([Note: copying a wrapped model] in
 ``tiny_fsdp/core/wrapper.py``). Under FSDP / ZeRO-3 a copy of the inner model alone holds this
 rank's parts without the strategy: its forward raises, on every rank, naming the fix.
 
@@ -57,6 +58,23 @@ def _outputs(model: nn.Module, optimizer, to_copy: nn.Module, rank: int) -> Dict
         return {"teacher": teacher(x), "ema": ema(x), "model": model(x)}
 
 
+def _train_on(model: nn.Module, rank: int) -> List[float]:
+    """Two steps with a new optimizer of the model's strategy; the losses."""
+    from tiny_fsdp import core
+
+    optimizer = getattr(core, type(model).__name__ + "SGD")(model.named_parameters(), lr=0.5)
+    g = torch.Generator().manual_seed(100 + rank)
+    losses = []
+    for _ in range(2):
+        x = torch.randint(0, VOCAB, (4, 7), generator=g)
+        loss = F.cross_entropy(model(x).reshape(-1, VOCAB), x.reshape(-1))
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(loss.item())
+    return losses
+
+
 def _worker(rank: int, world_size: int) -> List[str]:
     from torch.nn.parallel import DistributedDataParallel
 
@@ -76,6 +94,11 @@ def _worker(rank: int, world_size: int) -> List[str]:
         for what, ref in expected.items():
             gap = (outputs[what] - ref).abs().max().item()
             assert gap <= ATOL, f"{name}: the {what}'s outputs differ by {gap:.2e}"
+        # A copy made after steps trains as the original does (its own hooks and buckets).
+        copied = copy.deepcopy(model)
+        assert _train_on(copied, rank) == _train_on(model, rank), f"{name}: the copy trains apart"
+        state, copied_state = model.state_dict(), copied.state_dict()
+        assert all(torch.equal(state[k], copied_state[k]) for k in state), name
         checked.append(name)
         if name in ("FSDP", "Zero3"):
             inner_copy = copy.deepcopy(model.module)

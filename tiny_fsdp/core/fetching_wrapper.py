@@ -67,6 +67,11 @@ class FetchingWrapper(DataParallelWrapper):
         """At most this many prefetched units unconsumed at once ([Note: prefetch])."""
         return self._prefetcher.prefetch_limit
 
+    def after_copy(self) -> None:
+        for grads in self._prefetcher.unit_grads:
+            grads.forget_layout()  # laid out by the original's parameters' ids
+        self._reads = OutsideReadWatch(self.module)
+
     def before_load(self) -> None:
         self._prefetcher.drop_transients()  # full / prefetched parameters would go stale
 

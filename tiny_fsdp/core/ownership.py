@@ -18,7 +18,8 @@ from typing import Any, List, Optional
 
 import torch
 
-OWNER_ATTR = "_tiny_fsdp_owner"
+TAG_PREFIX = "_tiny_fsdp_"  # every attribute a strategy puts on a parameter starts so
+OWNER_ATTR = TAG_PREFIX + "owner"
 _LIVE: "weakref.WeakSet[Any]" = weakref.WeakSet()  # every wrapper that tagged a tensor
 
 

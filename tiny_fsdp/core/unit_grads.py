@@ -125,6 +125,11 @@ class UnitGradients:
         if self._live_bytes:
             self.discard()
 
+    def forget_layout(self) -> None:
+        """Lay the gradients out again at the next backward (the parameters were copied:
+        [Note: copying a wrapped model])."""
+        self._key = None
+
     def discard(self) -> None:
         """Forget every sum."""
         self.state.track_accumulated(-self._kept_bytes)

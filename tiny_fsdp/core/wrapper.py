@@ -48,7 +48,7 @@ from torch import nn
 from tiny_fsdp.core.clip import HeldGrads, clip_grad_norm_
 from tiny_fsdp.core.local_state import LocalPiece, replicated_piece
 from tiny_fsdp.core.module import convert_module
-from tiny_fsdp.core.ownership import owner_of, tag_owner
+from tiny_fsdp.core.ownership import TAG_PREFIX, owner_of, tag_owner
 from tiny_fsdp.core.precision import (
     MixedPrecisionPolicy,
     check_master_dtypes,
@@ -155,13 +155,16 @@ class DataParallelWrapper(nn.Module):
         ``nn.Parameter``'s own deepcopy drops the attributes the strategies put on parameters
         (FSDP's shard geometry, ZeRO-3's owner table entry), without which the copy cannot
         fetch a full tensor. So each parameter is copied first with them (the geometry is
-        immutable: shared), then the rest as usual, and the copies are tagged as the new
-        wrapper's. No collective: each rank copies its part; every rank must copy (its next
-        forward gathers)."""
+        immutable: shared; hooks are not copied, as torch does not), then the rest as usual;
+        the copies are tagged as the new wrapper's, and the strategy re-attaches what it hooks
+        on parameters (``after_copy``). No collective: each rank copies its part; every rank
+        must copy (its next forward gathers)."""
         for param in self.module.parameters():
             if id(param) not in memo:
-                clone = nn.Parameter(param.detach().clone(), param.requires_grad)
-                clone.__dict__.update(param.__dict__)  # the strategy's tags, shared
+                # Through the storage memo: a view of a flat buffer (ZeRO-1/2) stays one.
+                clone = nn.Parameter(copy.deepcopy(param.detach(), memo), param.requires_grad)
+                tags = {k: v for k, v in param.__dict__.items() if k.startswith(TAG_PREFIX)}
+                clone.__dict__.update(tags)
                 memo[id(param)] = clone
         new = type(self).__new__(type(self))
         memo[id(self)] = new
@@ -169,7 +172,12 @@ class DataParallelWrapper(nn.Module):
             new.__dict__[key] = copy.deepcopy(value, memo)
         for param in new.module.parameters():
             tag_owner(param, new)
+        new.after_copy()
         return new
+
+    def after_copy(self) -> None:
+        """This wrapper was just deep-copied from another ([Note: copying a wrapped model]):
+        hook its own parameters where the original hooked the original's."""
 
     def manages(self, tensor: torch.Tensor) -> bool:
         """True if ``tensor`` is a parameter of this wrapper's model."""

@@ -125,6 +125,10 @@ class DDP(ReplicatedWrapper):
             self._backward.remove()
         self._backward = BucketedBackward(self, store)
 
+    def after_copy(self) -> None:
+        self._backward = None  # the copied engine hooks the original's parameters
+        self._build_buckets()
+
     def _bucketed_ids(self) -> Set[int]:
         return set() if self._backward is None else {id(p) for p in self._backward.store.params}
 

@@ -185,6 +185,11 @@ class ZeroWrapper(ReplicatedWrapper):
     def has_place(self, param: torch.Tensor) -> bool:
         return self.index_of(param) is not None
 
+    def after_copy(self) -> None:
+        self._index = {id(p): i for i, p in enumerate(self.params)}  # the copies' ids
+        self._optimizers = weakref.WeakSet()  # an optimizer binds to one model
+        self._backward = BucketedBackward(self, self._grads)  # hooks on the copies
+
     def take_trainable(self, names: List[str]) -> None:
         """Refused: the flat buffer and the optimizer's shards are laid out at wrap time
         ([Note: trainable set after wrapping])."""
