@@ -1,7 +1,8 @@
 """Specification: a copy of a wrapped model is an independent model on the same ranks, as a
 copy of the module is under torch's DDP: a frozen teacher (``copy.deepcopy(model)``) keeps the
 outputs it had when copied, an EMA (``torch.optim.swa_utils.AveragedModel(model)``) follows
-the model's average, and a copy trained on its own trains as the original, under every
+the model's average, a teacher runs between the student's forward and backward
+(self-distillation), and a copy trained on its own trains as the original, under every
 wrapper ([Note: copying a wrapped model] in
 ``tiny_fsdp/core/wrapper.py``). Under FSDP / ZeRO-3 a copy of the inner model alone holds this
 rank's parts without the strategy: its forward raises, on every rank, naming the fix.
@@ -75,6 +76,27 @@ def _train_on(model: nn.Module, rank: int) -> List[float]:
     return losses
 
 
+def _distill(student: nn.Module, teacher: nn.Module, optimizer, rank: int) -> List[float]:
+    """A self-distillation loop (DINO's shape): the teacher's forward between the student's
+    forward and backward, then the teacher moves toward the student."""
+    g = torch.Generator().manual_seed(200 + rank)
+    losses = []
+    for _ in range(2):
+        x = torch.randint(0, VOCAB, (4, 7), generator=g)
+        logits = student(x)
+        with torch.no_grad():
+            target = teacher(x).softmax(-1)
+        loss = F.cross_entropy(logits.reshape(-1, VOCAB), target.reshape(-1, VOCAB))
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        with torch.no_grad():
+            for mine, theirs in zip(teacher.parameters(), student.parameters()):
+                mine.lerp_(theirs, 0.1)
+        losses.append(loss.item())
+    return losses
+
+
 def _worker(rank: int, world_size: int) -> List[str]:
     from torch.nn.parallel import DistributedDataParallel
 
@@ -86,6 +108,10 @@ def _worker(rank: int, world_size: int) -> List[str]:
     optimizer = torch.optim.SGD(reference.parameters(), lr=0.5)
     expected = _outputs(reference, optimizer, reference.module, rank)
     assert (expected["teacher"] - expected["model"]).abs().max() > 0.1  # the steps moved it
+    student = DistributedDataParallel(copy.deepcopy(net))
+    teacher = copy.deepcopy(student.module)
+    optimizer = torch.optim.SGD(student.parameters(), lr=0.5)
+    distilled = _distill(student, teacher, optimizer, rank)
     checked = []
     for name in ("DDP", "Zero1", "Zero2", "FSDP", "Zero3"):
         model = getattr(core, name)(copy.deepcopy(net))
@@ -94,6 +120,10 @@ def _worker(rank: int, world_size: int) -> List[str]:
         for what, ref in expected.items():
             gap = (outputs[what] - ref).abs().max().item()
             assert gap <= ATOL, f"{name}: the {what}'s outputs differ by {gap:.2e}"
+        student = getattr(core, name)(copy.deepcopy(net))
+        optimizer = getattr(core, name + "SGD")(student.named_parameters(), lr=0.5)
+        losses = _distill(student, copy.deepcopy(student), optimizer, rank)
+        assert max(abs(a - b) for a, b in zip(losses, distilled)) <= ATOL, f"{name}: distilled"
         # A copy made after steps trains as the original does (its own hooks and buckets).
         copied = copy.deepcopy(model)
         assert _train_on(copied, rank) == _train_on(model, rank), f"{name}: the copy trains apart"
