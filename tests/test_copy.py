@@ -129,6 +129,8 @@ def _worker(rank: int, world_size: int) -> List[str]:
         assert _train_on(copied, rank) == _train_on(model, rank), f"{name}: the copy trains apart"
         state, copied_state = model.state_dict(), copied.state_dict()
         assert all(torch.equal(state[k], copied_state[k]) for k in state), name
+        inner = copied.module.state_dict()  # torch DDP's idiom: the full tensors here too
+        assert all(torch.equal(inner[k], copied_state[k]) for k in copied_state), name
         checked.append(name)
         if name in ("FSDP", "Zero3"):
             inner_copy = copy.deepcopy(model.module)

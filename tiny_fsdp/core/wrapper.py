@@ -37,7 +37,6 @@ tensors. The wrapper then tags every parameter as its own.
 
 import contextlib
 import copy
-import weakref
 from collections import OrderedDict
 from typing import Any, Dict, Iterator, List, Mapping, NamedTuple, Optional, Sequence, Tuple
 
@@ -125,10 +124,9 @@ class DataParallelWrapper(nn.Module):
         self.enable_async_communication = enable_async_communication
         self._local_state_dicts = 0  # > 0 while local_state_dict() runs
         if self.gathers_full_tensors:  # [Note: the inner model's state dict]
-            me = weakref.ref(self)
-            self.module.register_state_dict_post_hook(_full_tensors_hook(me))
-            self.module.register_load_state_dict_pre_hook(_load_full_tensors_hook(me))
-            self.module.register_load_state_dict_post_hook(_after_load_hook(me))
+            self.module.register_state_dict_post_hook(_full_tensors_hook)
+            self.module.register_load_state_dict_pre_hook(_load_full_tensors_hook)
+            self.module.register_load_state_dict_post_hook(_after_load_hook)
             self.module.register_forward_pre_hook(_arrival_hook(type(self).__name__))
 
     def _check_and_claim(self) -> None:
@@ -403,7 +401,19 @@ def _assign_error(what: str) -> ValueError:
     )
 
 
-def _full_tensors_hook(wrapper_ref: "weakref.ref[DataParallelWrapper]") -> Any:
+def _wrapper_of(module: nn.Module) -> Optional[DataParallelWrapper]:
+    """The live wrapper whose inner model ``module`` is, found through its parameters' owner
+    tags (so the hooks below serve a copy of the wrapper too: [Note: copying a wrapped
+    model]); None for a module no wrapper holds (a copy of the inner model alone)."""
+    for param in module.parameters():
+        owner = owner_of(param)
+        return owner if owner is not None and owner.module is module else None
+    return None
+
+
+def _full_tensors_hook(
+    module: nn.Module, state_dict: Dict[str, Any], prefix: str, metadata: Any
+) -> None:
     """State-dict post-hook of the inner model of a gathering strategy.
 
     [Note: the inner model's state dict]
@@ -413,67 +423,56 @@ def _full_tensors_hook(wrapper_ref: "weakref.ref[DataParallelWrapper]") -> Any:
     the same full state dict as the wrapper's (after the arrival check: a collective that every
     rank calls). The strategy's own reads of what a rank holds go through
     ``local_state_dict()``, which the hook leaves alone, as it leaves a copy of the inner model
-    (``copy.deepcopy`` copies the hook). Loading is the mirror: ``model.module.load_state_dict``
-    of full tensors keeps what this rank holds of each (a pre-hook loads it and leaves torch a
-    copy of the parameter onto itself), then the strategy re-derives what depends on them.
+    alone. Loading is the mirror: ``model.module.load_state_dict`` of full tensors keeps what
+    this rank holds of each (a pre-hook loads it and leaves torch a copy of the parameter onto
+    itself), then the strategy re-derives what depends on them.
     """
-
-    def hook(module: nn.Module, state_dict: Dict[str, Any], prefix: str, metadata: Any) -> None:
-        wrapper = wrapper_ref()
-        if wrapper is None or wrapper.module is not module or wrapper._local_state_dicts:
-            return
-        what = f"model.module.state_dict() of a {type(wrapper).__name__} model"
-        every_rank_arrives(what, _STATE_DICT_FIX)
-        wrapper._make_full_(state_dict, prefix, keep_vars=False)
-
-    return hook
+    wrapper = _wrapper_of(module)
+    if wrapper is None or wrapper._local_state_dicts:
+        return
+    what = f"model.module.state_dict() of a {type(wrapper).__name__} model"
+    every_rank_arrives(what, _STATE_DICT_FIX)
+    wrapper._make_full_(state_dict, prefix, keep_vars=False)
 
 
-def _load_full_tensors_hook(wrapper_ref: "weakref.ref[DataParallelWrapper]") -> Any:
+@torch.no_grad()
+def _load_full_tensors_hook(
+    module: nn.Module,
+    state_dict: Dict[str, Any],
+    prefix: str,
+    metadata: Any,
+    strict: bool,
+    missing: List[str],
+    unexpected: List[str],
+    error_msgs: List[str],
+) -> None:
     """Load-state-dict pre-hook of the inner model of a gathering strategy ([Note: the inner
     model's state dict]): each full tensor goes into what this rank holds of it."""
-
-    @torch.no_grad()
-    def hook(
-        module: nn.Module,
-        state_dict: Dict[str, Any],
-        prefix: str,
-        metadata: Any,
-        strict: bool,
-        missing: List[str],
-        unexpected: List[str],
-        error_msgs: List[str],
-    ) -> None:
-        wrapper = wrapper_ref()
-        if wrapper is None or wrapper.module is not module:
-            return
-        if (metadata or {}).get("assign_to_params_buffers", False):
-            raise _assign_error(f"model.module of a {type(wrapper).__name__} model")
-        wrapper.before_load()
-        for name, param in module.named_parameters(remove_duplicate=False):
-            key = prefix + name
-            if key not in state_dict or not wrapper.manages(param):
-                continue
-            source, full_shape = state_dict[key], tuple(wrapper.full_shape(param))
-            if tuple(source.shape) != full_shape:
-                error_msgs.append(
-                    f"size mismatch for {key}: copying a param with shape {source.shape} from "
-                    f"checkpoint, the shape in current model is {torch.Size(full_shape)}."
-                )
-            else:
-                wrapper.load_full_(param, source.to(param.device, param.dtype))
-            state_dict[key] = param.detach()  # torch's own copy is then onto itself
-
-    return hook
+    wrapper = _wrapper_of(module)
+    if wrapper is None:
+        return
+    if (metadata or {}).get("assign_to_params_buffers", False):
+        raise _assign_error(f"model.module of a {type(wrapper).__name__} model")
+    wrapper.before_load()
+    for name, param in module.named_parameters(remove_duplicate=False):
+        key = prefix + name
+        if key not in state_dict or not wrapper.manages(param):
+            continue
+        source, full_shape = state_dict[key], tuple(wrapper.full_shape(param))
+        if tuple(source.shape) != full_shape:
+            error_msgs.append(
+                f"size mismatch for {key}: copying a param with shape {source.shape} from "
+                f"checkpoint, the shape in current model is {torch.Size(full_shape)}."
+            )
+        else:
+            wrapper.load_full_(param, source.to(param.device, param.dtype))
+        state_dict[key] = param.detach()  # torch's own copy is then onto itself
 
 
-def _after_load_hook(wrapper_ref: "weakref.ref[DataParallelWrapper]") -> Any:
-    def hook(module: nn.Module, incompatible_keys: Any) -> None:
-        wrapper = wrapper_ref()
-        if wrapper is not None and wrapper.module is module:
-            wrapper.after_load()
-
-    return hook
+def _after_load_hook(module: nn.Module, incompatible_keys: Any) -> None:
+    wrapper = _wrapper_of(module)
+    if wrapper is not None:
+        wrapper.after_load()
 
 
 _FORWARD_FIX = (
