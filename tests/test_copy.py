@@ -97,6 +97,16 @@ def _distill(student: nn.Module, teacher: nn.Module, optimizer, rank: int) -> Li
     return losses
 
 
+def _reduce_scatters(model: nn.Module, x: torch.Tensor) -> int:
+    """Reduce-scatters issued by one forward and backward of ``model``."""
+    from tiny_fsdp.core.comm import LEDGER
+
+    before = LEDGER.calls["reduce_scatter"]
+    F.cross_entropy(model(x).reshape(-1, VOCAB), x.reshape(-1)).backward()
+    model.zero_grad()
+    return LEDGER.calls["reduce_scatter"] - before
+
+
 def _worker(rank: int, world_size: int) -> List[str]:
     from torch.nn.parallel import DistributedDataParallel
 
@@ -132,6 +142,13 @@ def _worker(rank: int, world_size: int) -> List[str]:
         inner = copied.module.state_dict()  # torch DDP's idiom: the full tensors here too
         assert all(torch.equal(inner[k], copied_state[k]) for k in copied_state), name
         checked.append(name)
+        if name == "FSDP":  # the copy's module events reach its own units, not the original's
+            x = torch.randint(0, VOCAB, (4, 7))
+            alone = _reduce_scatters(copied, x)
+            with model.no_sync():  # the original now keeps sums for its next backward
+                F.cross_entropy(model(x).reshape(-1, VOCAB), x.reshape(-1)).backward()
+            assert _reduce_scatters(copied, x) == alone, f"{name}: the original's sums went too"
+            model.zero_grad()
         if name in ("FSDP", "Zero3"):
             inner_copy = copy.deepcopy(model.module)
             with pytest.raises(RuntimeError, match=r"inner model was copied.*deepcopy\(model\)"):

@@ -53,32 +53,41 @@ class _BackwardDone(torch.autograd.Function):
         return (None, *grads)
 
 
+WATCH_ATTR = "_tiny_fsdp_unit_events"  # on the module: (unit, grads) its hooks tell
+
+
 def watch_unit_module(module: nn.Module, unit: FullUnit, grads: UnitGradients) -> None:
     """Hook ``module``'s forward and backward ends to ``unit`` and ``grads`` ([Note: unit
-    module events])."""
+    module events]). The hooks find them on the module, not in a closure, so a copy of the
+    wrapped model tells its own ([Note: copying a wrapped model])."""
+    setattr(module, WATCH_ATTR, (unit, grads))
+    module.register_forward_pre_hook(_before, with_kwargs=True)
+    module.register_forward_hook(_after)
+
+
+def _before(module: nn.Module, args: Tuple, kwargs: Dict[str, Any]) -> Tuple[Tuple, Dict[str, Any]]:
+    if not torch.is_grad_enabled():
+        return args, kwargs
+    unit, grads = getattr(module, WATCH_ATTR)
+    found: List[torch.Tensor] = []
+    _needing_grad((args, kwargs), lambda t: found.append(t) or t)
+    # Without an input that needs a gradient there is no backward event: the unit's sums
+    # wait for the end of the backward on every rank, not for a count that is local.
+    grads.launch_when_complete = bool(found)
+    if not found:
+        return args, kwargs
 
     def backward_done() -> None:
         unit.module_done(TrainingPhase.BACKWARD)
         grads.module_backward_done()
 
-    def before(_: nn.Module, args: Tuple, kwargs: Dict[str, Any]) -> Tuple[Tuple, Dict[str, Any]]:
-        if not torch.is_grad_enabled():
-            return args, kwargs
-        found: List[torch.Tensor] = []
-        _needing_grad((args, kwargs), lambda t: found.append(t) or t)
-        # Without an input that needs a gradient there is no backward event: the unit's sums
-        # wait for the end of the backward on every rank, not for a count that is local.
-        grads.launch_when_complete = bool(found)
-        if not found:
-            return args, kwargs
-        done = iter(_BackwardDone.apply(backward_done, *found))
-        return _needing_grad((args, kwargs), lambda _: next(done))
+    done = iter(_BackwardDone.apply(backward_done, *found))
+    return _needing_grad((args, kwargs), lambda _: next(done))
 
-    def after(*_: Any) -> None:
-        unit.module_done(TrainingPhase.FORWARD)
 
-    module.register_forward_pre_hook(before, with_kwargs=True)
-    module.register_forward_hook(after)
+def _after(module: nn.Module, *_: Any) -> None:
+    unit, _grads = getattr(module, WATCH_ATTR)
+    unit.module_done(TrainingPhase.FORWARD)
 
 
 def _needing_grad(value: Any, fn: Callable[[torch.Tensor], Any]) -> Any:
