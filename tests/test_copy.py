@@ -20,28 +20,12 @@ from torch import nn
 from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
 
 from tests.harness import run_distributed
+from tests.zoo import TinyBlocksLM
 
 VOCAB, STEPS = 20, 3
 # SGD and the same kernels: the strategies differ only in the summation order of the gradient
 # average (measured: 0 on 2 ranks).
 ATOL = 1e-6
-
-
-class Net(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.emb = nn.Embedding(VOCAB, 8)
-        self.blocks = nn.ModuleList(
-            nn.Sequential(nn.LayerNorm(8), nn.Linear(8, 16), nn.GELU(), nn.Linear(16, 8))
-            for _ in range(2)
-        )
-        self.out = nn.Linear(8, VOCAB)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = self.emb(x)  # (B, T, 8)
-        for block in self.blocks:
-            h = h + block(h)
-        return self.out(h)  # (B, T, VOCAB)
 
 
 def _outputs(model: nn.Module, optimizer, to_copy: nn.Module, rank: int) -> Dict[str, torch.Tensor]:
@@ -113,7 +97,7 @@ def _worker(rank: int, world_size: int) -> List[str]:
     from tiny_fsdp import core
 
     torch.manual_seed(0)
-    net = Net()
+    net = TinyBlocksLM(VOCAB)
     reference = DistributedDataParallel(copy.deepcopy(net))
     optimizer = torch.optim.SGD(reference.parameters(), lr=0.5)
     expected = _outputs(reference, optimizer, reference.module, rank)

@@ -14,28 +14,12 @@ import torch.nn.functional as F
 from torch import nn
 
 from tests.harness import run_distributed
+from tests.zoo import TinyBlocksLM
 
 VOCAB, STEPS = 20, 2
 # SGD and the same kernels: only the summation order of the gradient average may differ
 # (measured: 0 on 2 ranks).
 ATOL = 1e-6
-
-
-class Net(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.emb = nn.Embedding(VOCAB, 8)
-        self.blocks = nn.ModuleList(
-            nn.Sequential(nn.LayerNorm(8), nn.Linear(8, 16), nn.GELU(), nn.Linear(16, 8))
-            for _ in range(2)
-        )
-        self.out = nn.Linear(8, VOCAB)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = self.emb(x)  # (B, T, 8)
-        for block in self.blocks:
-            h = h + block(h)
-        return self.out(h)  # (B, T, VOCAB)
 
 
 def _train(model: nn.Module, inner: nn.Module, optimizer, rank: int, param_hook: bool):
@@ -69,7 +53,7 @@ def _worker(rank: int, world_size: int) -> List[str]:
     from tiny_fsdp import core
 
     torch.manual_seed(0)
-    net = Net()
+    net = TinyBlocksLM(VOCAB)
     checked = []
     for param_hook in (True, False):
         reference = DistributedDataParallel(copy.deepcopy(net))

@@ -171,3 +171,22 @@ class BranchyNet(nn.Module):
         if use_branch:
             h = h + self.branch(h)
         return self.out(h)  # (B, 3)
+
+
+class TinyBlocksLM(nn.Module):
+    """Embedding, two residual LayerNorm-MLP blocks, head: (B, T) tokens -> (B, T, vocab)."""
+
+    def __init__(self, vocab: int) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(vocab, 8)
+        self.blocks = nn.ModuleList(
+            nn.Sequential(nn.LayerNorm(8), nn.Linear(8, 16), nn.GELU(), nn.Linear(16, 8))
+            for _ in range(2)
+        )
+        self.out = nn.Linear(8, vocab)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.emb(x)  # (B, T, 8)
+        for block in self.blocks:
+            h = h + block(h)
+        return self.out(h)  # (B, T, vocab)
