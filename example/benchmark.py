@@ -96,6 +96,12 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     p.add_argument("--momentum", type=float, default=0.9)
     p.add_argument("--weight_decay", type=float, default=0.1)
     p.add_argument("--sync_comm", action="store_true", help="ours without async communication")
+    p.add_argument(
+        "--torch_fused",
+        action="store_true",
+        help="PyTorch's side with AdamW(fused=True), the one-pass kernel our AdamW uses on the CPU "
+        "([Note: fused AdamW on the CPU]): strategies compared without the optimizer's kernel",
+    )
     p.add_argument("--evenness_priority", type=float, default=0.0, help="ZeRO-3 partition")
     p.add_argument("--data", default=None, help="text / .bin file, or 'random'; default: corpus")
     p.add_argument("--seed", type=int, default=0)

@@ -261,6 +261,7 @@ def test_works_with_lr_scheduler(ours_cls, ref_cls, cfg) -> None:
         (AdamW, dict(betas=(1.0, 0.999)), "index 0: 1.0"),
         (AdamW, dict(betas=(0.9, -0.1)), "index 1: -0.1"),
         (AdamW, dict(weight_decay=-0.5), "-0.5"),
+        (AdamW, dict(fused="yes"), "fused"),
     ],
 )
 def test_bad_hyperparameters_raise(cls: type, kwargs: dict[str, Any], match: str) -> None:
@@ -289,29 +290,27 @@ def test_zero_grad_and_closure(cls: type) -> None:
     assert all(p.grad is None for p in params)
 
 
+ADAMW_RULE_HYPER = dict(
+    lr=0.1, beta1=0.9, beta2=0.99, eps=1e-8, weight_decay=0.1, amsgrad=True, maximize=True
+)
+
+
 @pytest.mark.parametrize(
     "rule, hyper",
     [
         (sgd_update_, dict(lr=0.1, momentum=0.9, weight_decay=0.1, maximize=True)),
-        (
-            adamw_update_,
-            dict(
-                lr=0.1,
-                beta1=0.9,
-                beta2=0.99,
-                eps=1e-8,
-                weight_decay=0.1,
-                amsgrad=True,
-                maximize=True,
-            ),
-        ),
+        (adamw_update_, ADAMW_RULE_HYPER),  # the fused kernel (default on the CPU)
+        (adamw_update_, dict(ADAMW_RULE_HYPER, fused=False)),  # the foreach ops
     ],
+    ids=["sgd", "adamw", "adamw-foreach"],
 )
 def test_rule_is_elementwise_and_leaves_grad_alone(rule: Callable, hyper: dict[str, Any]) -> None:
     """Updating a list of tensors, each tensor alone, or dim-0 shards with their own state: the
-    same result bit for bit, and the grads are untouched."""
+    same result bit for bit, and the grads are untouched. 70 x 4 = 280 elements: the fused
+    kernel's vector loop takes 256 of the whole tensor but 128 of each 140-element shard
+    ([Note: fused AdamW on the CPU]); an empty tensor is updated too (to nothing)."""
     gen = torch.Generator().manual_seed(0)
-    shapes = [(6, 4), (3,), (2, 3, 2)]
+    shapes = [(70, 4), (3,), (2, 3, 2), (0,)]
     together = [torch.randn(s, generator=gen) for s in shapes]
     alone = [t.clone() for t in together]
     shards = [s.clone() for s in together[0].chunk(2)]
@@ -329,6 +328,52 @@ def test_rule_is_elementwise_and_leaves_grad_alone(rule: Callable, hyper: dict[s
     # Same elementwise ops on the same values: results agree bitwise.
     assert all(torch.equal(a, b) for a, b in zip(together, alone))
     assert torch.equal(torch.cat(shards), together[0])
+    for key in together_states[0]:
+        if key != "step":
+            assert torch.equal(torch.cat([s[key] for s in shard_states]), together_states[0][key])
+
+
+@pytest.mark.parametrize("cfg", ADAMW_CONFIGS, ids=[str(c) for c in ADAMW_CONFIGS])
+def test_adamw_runs_torchs_fused_kernel_on_the_cpu_and_foreach_ops_when_asked(cfg) -> None:
+    """Default: torch's one-pass CPU kernel, bit for bit ``torch.optim.AdamW(fused=True)`` on
+    tensors whose size is a multiple of the kernel's vector width (elsewhere its scalar loop
+    rounds the last elements its own way, [Note: fused AdamW on the CPU]). ``fused=False``: bit
+    for bit ``torch.optim.AdamW``'s CPU default (its for-loop). The two kernels round
+    differently on this data, so each equality identifies its kernel."""
+    shapes = [(64, 3), (128,)]
+    gen = torch.Generator().manual_seed(0)
+    start = [torch.randn(s, generator=gen) for s in shapes]
+    runs = {}
+    for key, cls, kwargs in [
+        ("ours", AdamW, {}),
+        ("ours_foreach", AdamW, dict(fused=False)),
+        ("torch_fused", torch.optim.AdamW, dict(fused=True)),
+        ("torch_default", torch.optim.AdamW, dict(foreach=False)),
+    ]:
+        params = [nn.Parameter(t.clone()) for t in start]
+        optimizer = cls(params, **cfg, **kwargs)
+        grads = torch.Generator().manual_seed(1)
+        for _ in range(N_STEPS):
+            for p in params:
+                p.grad = torch.randn(p.shape, generator=grads)
+            optimizer.step()
+        runs[key] = params
+    same = {
+        pair: all(torch.equal(a, b) for a, b in zip(runs[pair[0]], runs[pair[1]]))
+        for pair in [("ours", "torch_fused"), ("ours_foreach", "torch_default")]
+    }
+    assert same == {("ours", "torch_fused"): True, ("ours_foreach", "torch_default"): True}
+    assert not all(torch.equal(a, b) for a, b in zip(runs["torch_fused"], runs["torch_default"]))
+    assert_same(runs["ours"], runs["torch_default"])  # rounding apart: within ATOL
+
+
+def test_adamw_fused_true_refuses_what_the_kernel_cannot_take() -> None:
+    """bf16 parameters take the foreach ops by default; ``fused=True`` says it cannot."""
+    param = nn.Parameter(torch.randn(8).bfloat16())
+    param.grad = torch.randn(8).bfloat16()
+    AdamW([param]).step()
+    with pytest.raises(ValueError, match="fused=True"):
+        AdamW([param], fused=True).step()
 
 
 def test_update_batches_share_device_and_dtype_and_cap_their_bytes() -> None:

@@ -34,6 +34,8 @@ def build_torch(
     plain = make_model().to(env.device)
     decay = decayed_names(plain)
     cls, hyper = torch.optim.AdamW, dict(lr=args.lr)
+    if args.torch_fused:
+        hyper["fused"] = True
     if args.optimizer == "sgd":
         cls, hyper = torch.optim.SGD, dict(lr=args.lr, momentum=args.momentum)
 
