@@ -461,3 +461,30 @@ def test_benchmark_runs_every_strategy_and_reports(tmp_path) -> None:
     assert rows["torch_zero"]["comm"]["broadcast"][0] > 0
     for path in plots:
         assert path.endswith(".png") and (tmp_path / path.split("/")[-1]).stat().st_size > 0
+
+
+def _torch_fused(rank: int, world_size: int) -> Dict[str, Any]:
+    """PyTorch's three optimizers built by the benchmark with ``--torch_fused``, after a step."""
+    from example import benchmark
+    from example.bench.pytorch import build_torch
+    from tiny_fsdp.core.utils.dist import DistEnv
+
+    args = benchmark.parse_args(["--model", "gpt2_tiny", "--torch_fused"])
+    env = DistEnv(rank, rank, world_size, torch.device("cpu"))
+    fused = {}
+    for name in ("torch_ddp", "torch_zero", "torch_fsdp2"):
+        model, optimizer, local = build_torch(name, make_model, args, env)
+        x, y = global_batch(0, 2 * world_size, 8, make_model().config.vocab_size)
+        lm_loss(
+            model(local_slice(x, rank, world_size)), local_slice(y, rank, world_size)
+        ).backward()
+        optimizer.step()
+        fused[name] = [group["fused"] for group in local.param_groups]
+    return fused
+
+
+def test_benchmark_can_give_pytorch_the_fused_adamw_kernel() -> None:
+    """``--torch_fused``: PyTorch's side steps with ``AdamW(fused=True)``, the kernel our AdamW
+    runs on the CPU ([Note: fused AdamW on the CPU]), so strategies compare without it."""
+    fused = run_distributed(_torch_fused, 2)[0]
+    assert fused == {name: [True, True] for name in ("torch_ddp", "torch_zero", "torch_fsdp2")}

@@ -77,10 +77,11 @@ def header_line(
     loads: List[float],
 ) -> str:  # fmt: skip
     """What was run, on what, and how loaded the machine was (``loads``: 1-minute averages)."""
+    optimizer = args.optimizer + (" (PyTorch's: fused)" if args.torch_fused else "")
     return (
         f"{args.model} ({n_params / 1e6:.2f} M parameters), {world_size} ranks on {device} "
         f"({backend}, {args.threads} thread(s) each), batch {args.batch_size} x {args.seq_len} "
-        f"per rank, {args.optimizer}, {args.steps} measured steps after {args.warmup} warm-up, "
+        f"per rank, {optimizer}, {args.steps} measured steps after {args.warmup} warm-up, "
         f"async_comm={args.async_comm}; machine load average (1 min) during the rounds: median "
         f"{statistics.median(loads):.1f}, range {min(loads):.1f}-{max(loads):.1f}"
     )
