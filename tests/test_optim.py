@@ -367,6 +367,24 @@ def test_adamw_runs_torchs_fused_kernel_on_the_cpu_and_foreach_ops_when_asked(cf
     assert_same(runs["ours"], runs["torch_default"])  # rounding apart: within ATOL
 
 
+def test_adamw_chooses_the_kernel_tensor_by_tensor() -> None:
+    """A tensor the fused kernel cannot take (here non-contiguous, as a channels_last weight)
+    takes the foreach ops without moving the others of its call off the kernel."""
+    gen = torch.Generator().manual_seed(0)
+    start = [torch.randn(64, 3, generator=gen), torch.randn(3, 64, generator=gen).t()]
+    assert not start[1].is_contiguous()
+    together = [t.clone() for t in start]
+    alone = [start[0].clone(), start[1].clone()]
+    alone_states, together_states = [{}, {}], [{}, {}]
+    hyper = dict(lr=0.01, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.1)
+    for _ in range(N_STEPS):
+        grads = [torch.randn(t.shape, generator=gen) for t in start]
+        adamw_update_(together, grads, together_states, **hyper)
+        adamw_update_(alone[:1], grads[:1], alone_states[:1], **hyper)
+        adamw_update_(alone[1:], grads[1:], alone_states[1:], **hyper, fused=False)
+    assert all(torch.equal(a, b) for a, b in zip(together, alone))
+
+
 def test_adamw_fused_true_refuses_what_the_kernel_cannot_take() -> None:
     """bf16 parameters take the foreach ops by default; ``fused=True`` says it cannot."""
     param = nn.Parameter(torch.randn(8).bfloat16())

@@ -42,26 +42,41 @@ def adamw_update_(
     """
     grads = [g.to(p.dtype) for p, g in zip(params, grads)]
     _init_state(params, states, amsgrad)
-    names = ["exp_avg", "exp_avg_sq"] + (["max_exp_avg_sq"] if amsgrad else [])
-    columns = [params, grads] + [[state[k] for state in states] for k in names]
-    if fused is not False and _fused_applies(columns):
-        steps = [state["step"] for state in states]
-        torch._foreach_add_(steps, 1)
-        _fused_adamw_(columns, steps, lr, beta1, beta2, eps, weight_decay, amsgrad, maximize)
-        return
-    if fused:
+    steps = [state["step"] for state in states]
+    torch._foreach_add_(steps, 1)
+    hyper = (lr, beta1, beta2, eps, weight_decay, amsgrad, maximize)
+    kernel = [fused is not False and _fused_takes(*t, amsgrad) for t in zip(params, grads, states)]
+    if fused and not all(kernel):
+        p = params[kernel.index(False)]
         raise ValueError(
             "AdamW(fused=True): the fused kernel takes contiguous float32 / float64 CPU tensors, "
-            f"got {params[0].dtype} on {params[0].device}; use fused=None (the default: the "
-            "kernel where it applies)"
+            f"got a {p.dtype} tensor on {p.device} (contiguous: {p.is_contiguous()}); use "
+            "fused=None (the default: the kernel where it applies)"
         )
+    for on_kernel, update in ((True, _fused_adamw_), (False, _foreach_adamw_)):
+        chosen = [i for i, k in enumerate(kernel) if k == on_kernel]
+        if chosen:
+            update(*([x[i] for i in chosen] for x in (params, grads, states)), *hyper)
+
+
+def _foreach_adamw_(
+    params: list[Tensor],
+    grads: list[Tensor],
+    states: list[dict],
+    lr: float,
+    beta1: float,
+    beta2: float,
+    eps: float,
+    weight_decay: float,
+    amsgrad: bool,
+    maximize: bool,
+) -> None:
+    """The rule as foreach ops, a pass over memory each; steps already counted."""
     if maximize:
         grads = torch._foreach_neg(grads)  # out of place: a grad may be a shared comm buffer
     exp_avgs = [state["exp_avg"] for state in states]
     exp_avg_sqs = [state["exp_avg_sq"] for state in states]
-    steps = [state["step"] for state in states]
-    torch._foreach_add_(steps, 1)
-    step_counts = [step.item() for step in steps]
+    step_counts = [state["step"].item() for state in states]
 
     # Decoupled: decay the weights directly instead of adding weight_decay * param to g.
     if weight_decay != 0:
@@ -95,7 +110,7 @@ def _init_state(params: list[Tensor], states: list[dict], amsgrad: bool) -> None
 _LANES = 64
 
 
-def _fused_applies(columns: list[list[Tensor]]) -> bool:
+def _fused_takes(param: Tensor, grad: Tensor, state: dict, amsgrad: bool) -> bool:
     """[Note: fused AdamW on the CPU]
 
     On the CPU the foreach ops above run one kernel per op and tensor, each a pass over memory
@@ -110,23 +125,28 @@ def _fused_applies(columns: list[list[Tensor]]) -> bool:
     a body of a multiple of ``_LANES`` elements plus its tail copied into a zero-padded row of
     ``_LANES`` (zeros update to zeros): every element takes the vector loop.
 
-    Used for contiguous float32 / float64 CPU tensors, whose step counters already live on
-    their device. Elsewhere the foreach ops run: on CUDA (torch's default there; fused needs the
-    step counter on the GPU), for bf16 / fp16 parameters (the kernel computes them in float32
-    where torch.optim rounds every op) and for other memory layouts (the kernel walks memory).
+    Used, tensor by tensor, for contiguous float32 / float64 CPU tensors, whose step counters
+    already live on their device. The others of a call take the foreach ops: on CUDA (torch's
+    default there; fused needs the step counter on the GPU), bf16 / fp16 parameters (the kernel
+    computes them in float32 where torch.optim rounds every op) and other memory layouts (the
+    kernel walks memory), e.g. a channels_last weight under DDP, which ZeRO / FSDP update as a
+    flat contiguous shard on the kernel: the two then agree to rounding, not bit for bit.
     """
-    param = columns[0][0]
+    moments = [state["exp_avg"], state["exp_avg_sq"]] + (
+        [state["max_exp_avg_sq"]] if amsgrad else []
+    )
     return (
         param.device.type == "cpu"
         and param.dtype in (torch.float32, torch.float64)
         and hasattr(torch, "_fused_adamw_")
-        and all(t.is_contiguous() for column in columns for t in column)
+        and all(t.is_contiguous() for t in [param, grad] + moments)
     )
 
 
 def _fused_adamw_(
-    columns: list[list[Tensor]],
-    steps: list[Tensor],
+    params: list[Tensor],
+    grads: list[Tensor],
+    states: list[dict],
     lr: float,
     beta1: float,
     beta2: float,
@@ -135,8 +155,11 @@ def _fused_adamw_(
     amsgrad: bool,
     maximize: bool,
 ) -> None:
-    """One fused step over ``columns`` = [params, grads, exp_avgs, exp_avg_sqs(, max_exp_avg_sqs)],
-    contiguous tensors of one CPU dtype; ``steps`` already counted. Tails padded as above."""
+    """The rule as one fused kernel call over contiguous tensors of one CPU dtype; steps already
+    counted. Tails padded as above."""
+    names = ["exp_avg", "exp_avg_sq"] + (["max_exp_avg_sq"] if amsgrad else [])
+    columns = [params, grads] + [[state[k] for state in states] for k in names]
+    steps = [state["step"] for state in states]
     flat = [[t.view(-1) for t in column] for column in columns]
     bodies: list[list[Tensor]] = [[] for _ in columns]
     body_steps: list[Tensor] = []
