@@ -385,6 +385,20 @@ def test_adamw_chooses_the_kernel_tensor_by_tensor() -> None:
     assert all(torch.equal(a, b) for a, b in zip(together, alone))
 
 
+def test_adamw_steps_a_cpu_model_in_one_fused_call(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The fused kernel keeps no temporaries and pays for tails per call, so AdamW does not cut
+    its CPU tensors into the foreach ops' small batches (CPU_UPDATE_BATCH_BYTES)."""
+    calls = []
+    kernel = torch._fused_adamw_
+    monkeypatch.setattr(torch, "_fused_adamw_", lambda *a, **kw: calls.append(kernel(*a, **kw)))
+    params = [nn.Parameter(torch.randn(20_000)) for _ in range(40)]  # 3.2 MB
+    assert sum(p.numel() * 4 for p in params) > 4 * CPU_UPDATE_BATCH_BYTES
+    for p in params:
+        p.grad = torch.randn_like(p)
+    AdamW(params).step()
+    assert len(calls) == 1
+
+
 def test_adamw_fused_true_refuses_what_the_kernel_cannot_take() -> None:
     """bf16 parameters take the foreach ops by default; ``fused=True`` says it cannot."""
     param = nn.Parameter(torch.randn(8).bfloat16())

@@ -14,7 +14,8 @@ a datasheet, a paper). Fields:
   allocation), and matrix products ran at 47-62 against 66-79 GFLOP/s.
 - ``compute.optimizer_s_per_param``: one optimizer step (tiny_fsdp AdamW), seconds per element,
   and ``compute.optimizer_s_per_tensor`` its fixed cost per tensor (AdamW updates tensor by
-  tensor: a dozen small operations each, which a model of many small tensors feels).
+  tensor: a dozen small operations each on CUDA, on the CPU a share of one fused call; a model
+  of many small tensors feels it).
 - ``compute.activation_s_per_byte``: elementwise work (norms, GELU, softmax: memory-bound)
   forward and backward, seconds per byte of activations kept for backward.
 - ``compute.layer_overhead_s``: fixed cost of running one layer forward and backward (kernel

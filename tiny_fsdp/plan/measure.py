@@ -31,7 +31,10 @@ from tiny_fsdp.plan.probe import (
 
 DEFAULT_SIZES = (2**12, 2**16, 2**20, 2**24)  # payload bytes of the collectives timed
 DEFAULT_SHAPE = (2048, *ModelCosts.matmul_shape)  # (rows, in, out) when no model is given
-SMALL_TENSORS = 32  # AdamW over this many 16-element tensors: the cost per tensor
+# AdamW over this many small tensors: the cost per tensor. Of SMALL_NUMEL elements: one vector
+# row of the CPU's fused AdamW, which a tensor whose size is a multiple of 64 (most of a
+# model's) adds; one with a tail adds about five times more ([Note: fused AdamW on the CPU]).
+SMALL_TENSORS, SMALL_NUMEL = 32, 64
 SAMPLE_S = 0.02  # a compute sample runs its benchmark back to back for about this long
 
 
@@ -84,7 +87,9 @@ class Calibrator:
         self._param = nn.Parameter(torch.zeros(2**18, device=device))
         self._param.grad = torch.ones_like(self._param)
         self._adamw = AdamW([self._param], lr=1e-3)
-        self._small = [nn.Parameter(torch.zeros(16, device=device)) for _ in range(SMALL_TENSORS)]
+        self._small = [
+            nn.Parameter(torch.zeros(SMALL_NUMEL, device=device)) for _ in range(SMALL_TENSORS)
+        ]
         for p in self._small:
             p.grad = torch.ones_like(p)
         self._adamw_small = AdamW(self._small, lr=1e-3)  # its fixed cost per tensor
@@ -194,7 +199,9 @@ class Calibrator:
             "flops_per_s": 3 * 2 * rows * d_in * d_out / med["matmul"],
             "optimizer_s_per_param": med["adamw"] / self._param.numel(),
             "optimizer_s_per_tensor": max(
-                0.0, med["adamw small"] / SMALL_TENSORS - 16 * med["adamw"] / self._param.numel()
+                0.0,
+                med["adamw small"] / SMALL_TENSORS
+                - SMALL_NUMEL * med["adamw"] / self._param.numel(),
             ),
             "layer_overhead_s": med["probe plain"] / layers,
             "activation_s_per_byte": med["elementwise"] / act_bytes,

@@ -29,6 +29,7 @@ everything it needs between steps in ``state``, which by default is ``self.state
 
 from __future__ import annotations
 
+import functools
 from typing import Any, Callable, Iterable, Iterator, Optional, Union
 
 import torch
@@ -332,6 +333,10 @@ class BaseOptimizer(torch.optim.Optimizer):
         """Apply the update rule to a batch of tensors with the hyper-parameters of ``group``."""
         raise NotImplementedError
 
+    def _batch_limit(self, group: dict[str, Any], device: torch.device) -> int:
+        """The most parameter bytes per call of the rule for ``group``'s tensors on ``device``."""
+        return batch_limit(device)
+
     @torch.no_grad()
     def step(self, closure: Optional[Callable[[], Any]] = None) -> Any:
         """One optimisation step over all groups; returns ``closure()`` if given."""
@@ -341,7 +346,8 @@ class BaseOptimizer(torch.optim.Optimizer):
                 loss = closure()
         scale, self._grad_scale = self._grad_scale, 1.0
         for group in self.param_groups:
-            for params, grads, states in update_batches(self._tensors_to_update(group)):
+            limit = functools.partial(self._batch_limit, group)
+            for params, grads, states in update_batches(self._tensors_to_update(group), limit):
                 if scale != 1.0:
                     grads = torch._foreach_mul(grads, scale)
                 self._update_(params, grads, states, group)
