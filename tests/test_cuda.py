@@ -109,6 +109,27 @@ def test_adamw_launches_a_few_kernels_per_batch_on_cuda() -> None:
         torch.testing.assert_close(p, r, atol=1e-6, rtol=0)
 
 
+def test_adamw_runs_the_foreach_ops_on_cuda_and_refuses_fused_true() -> None:
+    """[Note: fused AdamW on the CPU]: the fused kernel is the CPU's; on CUDA the default is the
+    foreach ops (``fused=False`` bit for bit) and ``fused=True`` says it cannot."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    from tiny_fsdp.core.optim import AdamW
+
+    gen = torch.Generator().manual_seed(0)
+    start, grad = torch.randn(100, generator=gen).cuda(), torch.randn(100, generator=gen).cuda()
+    results = []
+    for fused in (None, False):
+        param = nn.Parameter(start.clone())
+        param.grad = grad.clone()
+        AdamW([param], **HYPER, fused=fused).step()
+        results.append(param.detach())
+    assert torch.equal(results[0], results[1])
+    param.grad = grad.clone()
+    with pytest.raises(ValueError, match="fused=True"):
+        AdamW([param], **HYPER, fused=True).step()
+
+
 def _ddp_takes_torch_device_ids(rank: int, world_size: int) -> None:
     from tiny_fsdp.core.ddp import DDP
 
