@@ -262,6 +262,8 @@ def test_works_with_lr_scheduler(ours_cls, ref_cls, cfg) -> None:
         (AdamW, dict(betas=(0.9, -0.1)), "index 1: -0.1"),
         (AdamW, dict(weight_decay=-0.5), "-0.5"),
         (AdamW, dict(fused="yes"), "fused"),
+        (AdamW, dict(foreach="no"), "foreach"),
+        (AdamW, dict(fused=True, foreach=True), "together"),
     ],
 )
 def test_bad_hyperparameters_raise(cls: type, kwargs: dict[str, Any], match: str) -> None:
@@ -337,9 +339,9 @@ def test_rule_is_elementwise_and_leaves_grad_alone(rule: Callable, hyper: dict[s
 def test_adamw_runs_torchs_fused_kernel_on_the_cpu_and_foreach_ops_when_asked(cfg) -> None:
     """Default: torch's one-pass CPU kernel, bit for bit ``torch.optim.AdamW(fused=True)`` on
     tensors whose size is a multiple of the kernel's vector width (elsewhere its scalar loop
-    rounds the last elements its own way, [Note: fused AdamW on the CPU]). ``fused=False``: bit
-    for bit ``torch.optim.AdamW``'s CPU default (its for-loop). The two kernels round
-    differently on this data, so each equality identifies its kernel."""
+    rounds the last elements its own way, [Note: fused AdamW on the CPU]). ``fused=False``, or
+    torch's ``foreach`` given: bit for bit ``torch.optim.AdamW``'s CPU default (its for-loop).
+    The two kernels round differently on this data, so each equality identifies its kernel."""
     shapes = [(64, 3), (128,)]
     gen = torch.Generator().manual_seed(0)
     start = [torch.randn(s, generator=gen) for s in shapes]
@@ -347,6 +349,8 @@ def test_adamw_runs_torchs_fused_kernel_on_the_cpu_and_foreach_ops_when_asked(cf
     for key, cls, kwargs in [
         ("ours", AdamW, {}),
         ("ours_foreach", AdamW, dict(fused=False)),
+        ("ours_foreach_true", AdamW, dict(foreach=True)),  # torch's keywords, as torch's
+        ("ours_foreach_false", AdamW, dict(foreach=False)),
         ("torch_fused", torch.optim.AdamW, dict(fused=True)),
         ("torch_default", torch.optim.AdamW, dict(foreach=False)),
     ]:
@@ -360,9 +364,14 @@ def test_adamw_runs_torchs_fused_kernel_on_the_cpu_and_foreach_ops_when_asked(cf
         runs[key] = params
     same = {
         pair: all(torch.equal(a, b) for a, b in zip(runs[pair[0]], runs[pair[1]]))
-        for pair in [("ours", "torch_fused"), ("ours_foreach", "torch_default")]
+        for pair in [
+            ("ours", "torch_fused"),
+            ("ours_foreach", "torch_default"),
+            ("ours_foreach_true", "torch_default"),
+            ("ours_foreach_false", "torch_default"),
+        ]
     }
-    assert same == {("ours", "torch_fused"): True, ("ours_foreach", "torch_default"): True}
+    assert all(same.values()), same
     assert not all(torch.equal(a, b) for a, b in zip(runs["torch_fused"], runs["torch_default"]))
     assert_same(runs["ours"], runs["torch_default"])  # rounding apart: within ATOL
 

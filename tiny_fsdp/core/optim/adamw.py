@@ -207,7 +207,9 @@ def _fused_adamw_(
 class AdamW(BaseOptimizer):
     """AdamW; a ``torch.optim.Optimizer`` applying ``adamw_update_``. ``fused`` as there: None
     (default) the one-pass kernel on the CPU ([Note: fused AdamW on the CPU]), False the foreach
-    ops (``torch.optim.AdamW``'s CPU default bit for bit)."""
+    ops (``torch.optim.AdamW``'s CPU default bit for bit). ``foreach`` as torch's: True or False
+    (torch's for-loop, whose numbers the foreach ops give bit for bit) choose the foreach ops;
+    with ``fused=True`` it is refused, as torch does."""
 
     def __init__(
         self,
@@ -219,6 +221,7 @@ class AdamW(BaseOptimizer):
         amsgrad: bool = False,
         *,
         maximize: bool = False,
+        foreach: Optional[bool] = None,
         fused: Optional[bool] = None,
     ) -> None:
         defaults = dict(
@@ -228,6 +231,7 @@ class AdamW(BaseOptimizer):
             weight_decay=weight_decay,
             amsgrad=amsgrad,
             maximize=maximize,
+            foreach=foreach,
             fused=fused,
         )
         super().__init__(params, defaults)
@@ -242,12 +246,22 @@ class AdamW(BaseOptimizer):
                 raise ValueError(f"Invalid beta parameter at index {i}: {beta}")
         if hyper["weight_decay"] < 0.0:
             raise ValueError(f"Invalid weight_decay value: {hyper['weight_decay']}")
-        if hyper.get("fused") not in (None, False, True):
-            raise ValueError(f"fused must be None, False or True, got {hyper['fused']!r}")
+        for key in ("foreach", "fused"):
+            if hyper.get(key) not in (None, False, True):
+                raise ValueError(f"{key} must be None, False or True, got {hyper[key]!r}")
+        if hyper.get("fused") and hyper.get("foreach"):
+            raise ValueError("fused=True and foreach=True cannot be asked for together")
+
+    @staticmethod
+    def _fused(group: dict[str, Any]) -> Optional[bool]:
+        """The rule's ``fused`` for ``group``: ``foreach`` given and ``fused`` not means False;
+        checkpoints of earlier versions have neither."""
+        fused = group.get("fused")
+        return False if fused is None and group.get("foreach") is not None else fused
 
     def _batch_limit(self, group: dict[str, Any], device: torch.device) -> int:
         """The fused kernel keeps no temporaries and pays for tails per call: large batches."""
-        if group.get("fused") is not False and device.type == "cpu":
+        if self._fused(group) is not False and device.type == "cpu":
             return UPDATE_BATCH_BYTES
         return batch_limit(device)
 
@@ -266,5 +280,5 @@ class AdamW(BaseOptimizer):
             weight_decay=group["weight_decay"],
             amsgrad=group["amsgrad"],
             maximize=group["maximize"],
-            fused=group.get("fused"),  # absent from checkpoints of earlier versions
+            fused=self._fused(group),
         )
