@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import Any, Optional
 
 import torch
@@ -46,7 +47,7 @@ def adamw_update_(
     _init_state(params, states, amsgrad)
     steps = [state["step"] for state in states]
     torch._foreach_add_(steps, 1)
-    hyper = (lr, beta1, beta2, eps, weight_decay, amsgrad, maximize)
+    hyper = _Hyper(lr, beta1, beta2, eps, weight_decay, amsgrad, maximize)
     kernel = [fused is not False and _fused_takes(*t, amsgrad) for t in zip(params, grads, states)]
     if fused and not all(kernel):
         p = params[kernel.index(False)]
@@ -58,37 +59,48 @@ def adamw_update_(
     for on_kernel, update in ((True, _fused_adamw_), (False, _foreach_adamw_)):
         chosen = [i for i, k in enumerate(kernel) if k == on_kernel]
         if chosen:
-            update(*([x[i] for i in chosen] for x in (params, grads, states)), *hyper)
+            update(*([x[i] for i in chosen] for x in (params, grads, states)), hyper)
+
+
+@dataclass(frozen=True)
+class _Hyper:
+    """One step's hyper-parameters, named as ``torch._fused_adamw_`` names them."""
+
+    lr: float
+    beta1: float
+    beta2: float
+    eps: float
+    weight_decay: float
+    amsgrad: bool
+    maximize: bool
+
+
+def _moments(state: dict, amsgrad: bool) -> list[Tensor]:
+    """The optimizer state tensors the rule updates, in the kernel's order."""
+    names = ("exp_avg", "exp_avg_sq", "max_exp_avg_sq") if amsgrad else ("exp_avg", "exp_avg_sq")
+    return [state[name] for name in names]
 
 
 def _foreach_adamw_(
-    params: list[Tensor],
-    grads: list[Tensor],
-    states: list[dict],
-    lr: float,
-    beta1: float,
-    beta2: float,
-    eps: float,
-    weight_decay: float,
-    amsgrad: bool,
-    maximize: bool,
+    params: list[Tensor], grads: list[Tensor], states: list[dict], h: _Hyper
 ) -> None:
     """The rule as foreach ops, a pass over memory each; steps already counted."""
-    if maximize:
+    lr, beta1, beta2, eps = h.lr, h.beta1, h.beta2, h.eps
+    if h.maximize:
         grads = torch._foreach_neg(grads)  # out of place: a grad may be a shared comm buffer
     exp_avgs = [state["exp_avg"] for state in states]
     exp_avg_sqs = [state["exp_avg_sq"] for state in states]
     step_counts = [state["step"].item() for state in states]
 
     # Decoupled: decay the weights directly instead of adding weight_decay * param to g.
-    if weight_decay != 0:
-        torch._foreach_mul_(params, 1 - lr * weight_decay)
+    if h.weight_decay != 0:
+        torch._foreach_mul_(params, 1 - lr * h.weight_decay)
     torch._foreach_lerp_(exp_avgs, grads, 1 - beta1)
     torch._foreach_mul_(exp_avg_sqs, beta2)
     torch._foreach_addcmul_(exp_avg_sqs, grads, grads, value=1 - beta2)
 
     second_moments = exp_avg_sqs
-    if amsgrad:
+    if h.amsgrad:
         second_moments = [state["max_exp_avg_sq"] for state in states]
         torch._foreach_maximum_(second_moments, exp_avg_sqs)
     denoms = torch._foreach_sqrt(second_moments)
@@ -137,33 +149,18 @@ def _fused_takes(param: Tensor, grad: Tensor, state: dict, amsgrad: bool) -> boo
     kernel walks memory), e.g. a channels_last weight under DDP, which ZeRO / FSDP update as a
     flat contiguous shard on the kernel: the two then agree to rounding, not bit for bit.
     """
-    moments = [state["exp_avg"], state["exp_avg_sq"]] + (
-        [state["max_exp_avg_sq"]] if amsgrad else []
-    )
     return (
         param.device.type == "cpu"
         and param.dtype in (torch.float32, torch.float64)
         and hasattr(torch, "_fused_adamw_")
-        and all(t.is_contiguous() for t in [param, grad] + moments)
+        and all(t.is_contiguous() for t in [param, grad, *_moments(state, amsgrad)])
     )
 
 
-def _fused_adamw_(
-    params: list[Tensor],
-    grads: list[Tensor],
-    states: list[dict],
-    lr: float,
-    beta1: float,
-    beta2: float,
-    eps: float,
-    weight_decay: float,
-    amsgrad: bool,
-    maximize: bool,
-) -> None:
+def _fused_adamw_(params: list[Tensor], grads: list[Tensor], states: list[dict], h: _Hyper) -> None:
     """The rule as one fused kernel call over contiguous tensors of one CPU dtype; steps already
     counted. Tails padded as above, a few calls per column rather than per tensor."""
-    names = ["exp_avg", "exp_avg_sq"] + (["max_exp_avg_sq"] if amsgrad else [])
-    columns = [params, grads] + [[state[k] for state in states] for k in names]
+    columns = [params, grads] + [list(c) for c in zip(*(_moments(s, h.amsgrad) for s in states))]
     steps = [state["step"] for state in states]
     whole = [i for i, p in enumerate(params) if p.numel() and p.numel() % _LANES == 0]
     cut = [i for i, p in enumerate(params) if p.numel() % _LANES]
@@ -185,18 +182,7 @@ def _fused_adamw_(
         call_steps.extend(steps[i] for i in cut)
     if not call_steps:
         return  # only empty tensors
-    torch._fused_adamw_(
-        *calls[:4],
-        calls[4] if amsgrad else [],
-        call_steps,
-        lr=lr,
-        beta1=beta1,
-        beta2=beta2,
-        weight_decay=weight_decay,
-        eps=eps,
-        amsgrad=amsgrad,
-        maximize=maximize,
-    )
+    torch._fused_adamw_(*calls[:4], calls[4] if h.amsgrad else [], call_steps, **vars(h))
     if cut:
         kept = torch.arange(_LANES) < torch.tensor(lengths)[:, None]
         for c, (pad, column_tails) in enumerate(zip(pads, tails)):
