@@ -6,7 +6,8 @@ layer's handler fetches the full parameters just before the layer computes and r
 after ([Note: param handler]), in an order the strategy's ``Prefetcher`` records and runs
 ahead of ([Note: prefetch]). What the two wrappers share is written here: the forward brackets
 the model call with the prefetcher's ``pre_forward`` / ``post_forward`` and watches parameters
-read outside their layer ([Note: outside reads]).
+read outside their layer ([Note: outside reads]), and warns of those read outside the forward
+([Note: parameters in the loss]).
 """
 
 import math
@@ -15,6 +16,7 @@ from typing import Any, Callable, List
 import torch
 
 from tiny_fsdp.core.full_unit import FullUnit
+from tiny_fsdp.core.loss_reads import LocalGradWatch
 from tiny_fsdp.core.module.outside_reads import OutsideReadWatch
 from tiny_fsdp.core.unit_grads import UnitGradients
 from tiny_fsdp.core.unit_handler import UnitHandler
@@ -56,6 +58,7 @@ class FetchingWrapper(DataParallelWrapper):
                 watch_unit_module(self.module.get_submodule(name), full_unit, grads)
         self._prefetcher = state
         self._reads = OutsideReadWatch(self.module)
+        state.grad_watch = LocalGradWatch(self.module, type(self).__name__)
 
     @property
     def units(self) -> List[FullUnit]:
@@ -71,6 +74,8 @@ class FetchingWrapper(DataParallelWrapper):
         for grads in self._prefetcher.unit_grads:
             grads.forget_layout()  # laid out by the original's parameters' ids
         self._reads = OutsideReadWatch(self.module)
+        # A copy's parameters come without hooks: watch them anew.
+        self._prefetcher.grad_watch = LocalGradWatch(self.module, type(self).__name__)
 
     def before_load(self) -> None:
         self._prefetcher.drop_transients()  # full / prefetched parameters would go stale
@@ -79,6 +84,7 @@ class FetchingWrapper(DataParallelWrapper):
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         if torch.is_grad_enabled():
             check_no_param_hooks(self.module, type(self).__name__)
+            self._prefetcher.grad_watch.note_grads()  # [Note: parameters in the loss]
         self._prefetcher.pre_forward(self.enable_async_communication, torch.is_grad_enabled())
         try:
             return self._reads(lambda: self.module(*args, **kwargs))  # [Note: outside reads]

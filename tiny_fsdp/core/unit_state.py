@@ -5,7 +5,8 @@ model's ``Prefetcher`` ([Note: prefetch]) plus what every unit and ``UnitGradien
 ([Note: unit reduction]): world size and rank, the gradient-sync switch, the mixed precision
 policy's dtypes, the communication streams ([Note: communication streams]), the pending
 reductions ([Note: asynchronous reduction]) with the agreement on overflow that ends them
-([Note: agreeing on overflow]) and the bytes of ``no_sync`` sums.
+([Note: agreeing on overflow]), the watch on local gradients ([Note: parameters in the loss])
+and the bytes of ``no_sync`` sums.
 """
 
 from typing import List, Optional
@@ -13,6 +14,7 @@ from typing import List, Optional
 import torch
 import torch.distributed as dist
 
+from tiny_fsdp.core.loss_reads import LocalGradWatch
 from tiny_fsdp.core.overflow import agree_on_overflow
 from tiny_fsdp.core.precision import MixedPrecisionPolicy
 from tiny_fsdp.core.prefetch import Prefetcher
@@ -40,6 +42,7 @@ class UnitState(Prefetcher):
         self.reductions = PendingReductions(self.streams)
         self.reductions.on_finalized = self.backward_finished
         self.accumulated_bytes = 0  # of gradient sums kept across no_sync backwards
+        self.grad_watch: Optional[LocalGradWatch] = None  # set by the wrapper
 
     @property
     def grad_divisor(self) -> int:
@@ -66,6 +69,8 @@ class UnitState(Prefetcher):
         self.drop_transients()
         if device is not None and self.world_size > 1:
             agree_on_overflow(grads, device, self.shard_group, self.shard_label)
+        if self.grad_watch is not None:  # after the last write: [Note: parameters in the loss]
+            self.grad_watch.note_grads()
 
     def use_streams(self, streams: CommStreams) -> None:
         """Issue unshards and reductions through ``streams``."""

@@ -2,6 +2,7 @@
 
 from torch import nn
 
+from tiny_fsdp.core.loss_reads import is_loss_read_hook
 from tiny_fsdp.core.ownership import owner_of
 
 
@@ -65,7 +66,11 @@ def check_no_param_hooks(module: nn.Module, what: str) -> None:
     hooked = [
         name
         for name, param in module.named_parameters()
-        if param._backward_hooks or getattr(param, "_post_accumulate_grad_hooks", None)
+        if param._backward_hooks
+        or any(
+            not is_loss_read_hook(hook)  # the strategy's own ([Note: parameters in the loss])
+            for hook in (getattr(param, "_post_accumulate_grad_hooks", None) or {}).values()
+        )
     ]
     if hooked:
         raise RuntimeError(
