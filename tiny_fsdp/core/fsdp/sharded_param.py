@@ -97,24 +97,12 @@ class ShardedParam:
         """
         return gathered[: self.numel].view(self.full_shape)
 
-    def copy_out(self, gathered: torch.Tensor, full: torch.Tensor) -> None:
-        """Copy the real rows of ``gathered`` into ``full`` (``full_shape``, contiguous).
-
-        ``gathered``: (world_size, shard_numel), any stride between ranks: one parameter's
-        columns of an all-gather of several concatenated shards.
-        """
-        if self.numel == 0:
-            return
-        dst, src, q, rem = self._blocks(full, gathered)
-        dst[: q * self.shard_rows].view(q, self.shard_rows, self.row_numel).copy_(src[:q])
-        if rem:
-            dst[q * self.shard_rows :].copy_(src[q, :rem])
-
     def copy_in(self, full: torch.Tensor, gathered: torch.Tensor, accumulate: bool) -> None:
         """Write (or add) ``full`` into ``gathered`` (world_size, shard_numel), padding kept 0.
 
-        The inverse of ``copy_out``: lays a full gradient out as every rank's padded shard, the
-        input a reduce-scatter expects. Without ``accumulate`` the padding rows are zeroed.
+        Lays a full gradient out as every rank's padded shard, the input a reduce-scatter
+        expects (the inverse of the all-gather's copy-out, ``GatherUnit.wait_for_unshard``).
+        Without ``accumulate`` the padding rows are zeroed.
         """
         if self.numel == 0:
             return
