@@ -18,8 +18,8 @@ multi-tensor one is laid out rank-major (rank r's shards of every tensor, then r
 it is copied out, in one op (``torch.split_with_sizes_copy``, as FSDP2), into a buffer of the
 same size holding each tensor's shards rank after rank: its padded full tensor, of which the
 full tensor is a view. The gathered buffer is freed at once. (Per tensor, as before, the copies
-cost a Python-side op each: at world size 1 on the CPU, where only such overhead is measured,
-gpt2_tiny's step took 8.1 ms instead of 9.3, FSDP2 5.2-5.8, plain PyTorch 1.7.)
+cost a Python-side op each: at world size 1 on the CPU, where only such overhead counts,
+gpt2_tiny's step took 1.48-1.55 x FSDP2's instead of 1.63-1.68, three alternating runs each.)
 
 Which unit, by measurement (the first round's FSDP benchmark, now part of ``example/benchmark.py``:
 gpt2_mini, 2 CPU ranks on gloo, all variants and FSDP2 alternating in one run; step-time ratio to
