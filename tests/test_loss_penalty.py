@@ -10,8 +10,8 @@ a rank holds, the same gradient as over the full tensor, and that gradient lands
 next to the reduced gradient of the data loss: what torch's DDP computes (the penalty is the
 same on every rank, so its average over ranks is itself). Its *value* on one rank is this
 rank's part; summed over ranks it is the whole. Since a function of a whole tensor would train
-wrong that way, FSDP and ZeRO-3 warn, once, when autograd accumulates into a local parameter,
-and never in a training loop without such a term.
+wrong that way, FSDP and ZeRO-3 warn, once, when autograd accumulates into a local parameter
+(at the user's ``backward()`` line), and never in a training loop without such a term.
 
 The oracle: torch's ``DistributedDataParallel`` + ``torch.optim.SGD`` on the same batches with
 the same penalty. SGD with momentum: its steps are lr x gradient, so a wrong penalty gradient
@@ -66,7 +66,11 @@ def _train(model, optimizer, rank: int, penalty) -> Tuple[List[float], List[floa
 
 
 def _penalty_warnings(caught: List[warnings.WarningMessage]) -> int:
-    return sum("[Note: parameters in the loss]" in str(w.message) for w in caught)
+    """How many warnings of the watch; each names this file's ``backward()`` line, not
+    autograd's engine."""
+    ours = [w for w in caught if "[Note: parameters in the loss]" in str(w.message)]
+    assert all(w.filename == __file__ for w in ours), [w.filename for w in ours]
+    return len(ours)
 
 
 def _worker(rank: int, world_size: int) -> List[str]:

@@ -21,11 +21,15 @@ when nothing was accumulated) compares: a ``.grad`` that changed since is such a
 warns, once, with the above. ``check_no_param_hooks`` tells its hooks from a user's.
 """
 
+import os
+import sys
 import warnings
 from typing import Any, Callable, Dict, Optional, Tuple
 
 import torch
 from torch import nn
+
+import tiny_fsdp
 
 Stamp = Optional[Tuple[int, int]]  # a .grad's object and version, or None
 
@@ -62,12 +66,23 @@ class LocalGradWatch:
             return
         if _stamp(param.grad) != self._seen.get(id(param)):
             self.warned = True
-            warnings.warn(LOSS_READ_WARNING.format(what=self.what), stacklevel=2)
+            message = LOSS_READ_WARNING.format(what=self.what)
+            warnings.warn(message, stacklevel=_callers_level())
 
 
 def is_loss_read_hook(hook: Callable[..., Any]) -> bool:
     """Whether ``hook`` is a strategy's own (a ``LocalGradWatch``'s), not a user's."""
     return isinstance(getattr(hook, "__self__", None), LocalGradWatch)
+
+
+def _callers_level() -> int:
+    """``stacklevel`` for ``warnings.warn`` called by this function's caller: the first frame
+    outside torch and tiny_fsdp (the user's ``loss.backward()``), not autograd's engine."""
+    internal = tuple(os.path.dirname(m.__file__) for m in (torch, tiny_fsdp))
+    frame, level = sys._getframe(2), 2
+    while frame.f_back is not None and frame.f_code.co_filename.startswith(internal):
+        frame, level = frame.f_back, level + 1
+    return level
 
 
 def _stamp(grad: Optional[torch.Tensor]) -> Stamp:
