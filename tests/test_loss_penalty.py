@@ -131,6 +131,29 @@ def _loop_without_penalty(rank: int, world_size: int) -> Dict[str, int]:
     return count
 
 
+def _unfrozen_after_wrapping(rank: int, world_size: int) -> Dict[str, int]:
+    """A parameter frozen at wrap time and unfrozen later is watched too."""
+    count = {}
+    for strategy in SHARDED:
+        torch.manual_seed(0)
+        inner = _model()
+        inner[2].requires_grad_(False)
+        model, optimizer = build(strategy, inner, sgd(**SGD))
+        model.module[2].requires_grad_(True)
+        x = torch.randn(4, 7, generator=torch.Generator().manual_seed(rank))
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            loss = model(x).square().mean()
+            (loss + LAM * model.module[2].weight.pow(2).sum()).backward()
+        count[strategy] = _penalty_warnings(caught)
+    return count
+
+
+def test_a_penalty_on_a_parameter_unfrozen_after_wrapping_warns_too() -> None:
+    for count in run_distributed(_unfrozen_after_wrapping, 2):
+        assert count == {strategy: 1 for strategy in SHARDED}
+
+
 def test_a_training_loop_without_such_a_term_never_warns() -> None:
     for count in run_distributed(_loop_without_penalty, 2):
         assert count == {strategy: 0 for strategy in SHARDED}

@@ -24,7 +24,7 @@ warns, once, with the above. ``check_no_param_hooks`` tells its hooks from a use
 import os
 import sys
 import warnings
-from typing import Any, Callable, Dict, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 from torch import nn
@@ -51,15 +51,23 @@ class LocalGradWatch:
     def __init__(self, module: nn.Module, what: str) -> None:
         self.what = what
         self.warned = False
-        self._params = [p for p in module.parameters() if p.requires_grad]
+        self._all = list(module.parameters())
+        self._params: List[nn.Parameter] = []  # hooked: trainable now or since wrapping
         self._seen: Dict[int, Stamp] = {}  # id(param) -> its .grad when last noted
-        for param in self._params:
-            param.register_post_accumulate_grad_hook(self._accumulated)
+        self._hook_trainable()
 
     def note_grads(self) -> None:
         """The ``.grad`` every local parameter has now is no such term's."""
         if not self.warned:
+            self._hook_trainable()  # a parameter unfrozen after wrapping
             self._seen = {id(p): _stamp(p.grad) for p in self._params}
+
+    def _hook_trainable(self) -> None:
+        hooked = {id(p) for p in self._params}
+        for param in self._all:
+            if param.requires_grad and id(param) not in hooked:
+                param.register_post_accumulate_grad_hook(self._accumulated)
+                self._params.append(param)
 
     def _accumulated(self, param: torch.Tensor) -> None:
         if self.warned or param.grad is None:
