@@ -51,8 +51,8 @@ class LocalGradWatch:
     def __init__(self, module: nn.Module, what: str) -> None:
         self.what = what
         self.warned = False
-        self._all = list(module.parameters())
         self._params: List[nn.Parameter] = []  # hooked: trainable now or since wrapping
+        self._frozen = list(module.parameters())  # not hooked yet: frozen so far
         self._seen: Dict[int, Stamp] = {}  # id(param) -> its .grad when last noted
         self._hook_trainable()
 
@@ -63,11 +63,10 @@ class LocalGradWatch:
             self._seen = {id(p): _stamp(p.grad) for p in self._params}
 
     def _hook_trainable(self) -> None:
-        hooked = {id(p) for p in self._params}
-        for param in self._all:
-            if param.requires_grad and id(param) not in hooked:
-                param.register_post_accumulate_grad_hook(self._accumulated)
-                self._params.append(param)
+        for param in [p for p in self._frozen if p.requires_grad]:
+            param.register_post_accumulate_grad_hook(self._accumulated)
+            self._params.append(param)
+        self._frozen = [p for p in self._frozen if not p.requires_grad]
 
     def _accumulated(self, param: torch.Tensor) -> None:
         if self.warned or param.grad is None:
