@@ -173,6 +173,11 @@ def test_register_wrapper_makes_conversion_work():
         register_wrapper(_Scale, Linear)
 
 
-def test_embedding_rejects_unsupported_options():
-    with pytest.raises(NotImplementedError, match="max_norm"):
-        convert_module(nn.Embedding(4, 2, max_norm=1.0))
+def test_embedding_options_it_does_not_implement_take_the_generic_path():
+    for options in (dict(max_norm=1.0), dict(scale_grad_by_freq=True)):
+        model = convert_module(nn.Sequential(nn.Embedding(4, 2, **options)))
+        assert type(model[0]) is nn.Embedding, options  # class untouched: the generic path
+        direct = Embedding(4, 2, **options)
+        with pytest.raises(NotImplementedError, match="generic path"):
+            direct(torch.tensor([1]))
+    assert type(convert_module(nn.Sequential(nn.Embedding(4, 2, sparse=True)))[0]) is Embedding

@@ -50,10 +50,12 @@ set after wrapping] in ``replicated.py``); reentrant backward (``torch.utils.che
 """
 
 import weakref
-from typing import Any, Callable, List, Optional, Protocol, Sequence
+from typing import Any, Callable, Collection, List, Optional, Protocol, Sequence
 
 import torch
 from torch import nn
+
+from tiny_fsdp.core.sparse_grads import densify_grad
 
 
 class GradStore(Protocol):
@@ -65,12 +67,16 @@ class GradStore(Protocol):
         reduces_eagerly: reduce a complete bucket during backward even without asynchronous
             communication (synchronously then).
         max_in_flight: at most this many asynchronous reductions unfinished (None: no limit).
+        sparse_indices: the parameters whose sparse gradients the store takes as they are; any
+            other sparse gradient is made dense before the store sees it ([Note: sparse
+            gradients]).
     """
 
     params: Sequence[nn.Parameter]
     bucket_members: Sequence[Sequence[int]]
     reduces_eagerly: bool
     max_in_flight: Optional[int]
+    sparse_indices: Collection[int]
 
     def begin(self, sync: bool) -> None:
         """The first hook of a backward fired (``sync``: it is a synchronised one)."""
@@ -152,6 +158,8 @@ class BucketedBackward:
             self._async = owner.enable_async_communication
             torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
         with torch.no_grad():
+            if index not in self.store.sparse_indices:
+                densify_grad(param)
             if not self._sync:
                 self.store.keep_local(index, param)
                 return
@@ -203,6 +211,8 @@ class BucketedBackward:
                 if self._sync:
                     for index, p in enumerate(self.store.params):
                         if not self._fired[index]:  # unused in this forward: zeros or kept grads
+                            if index not in self.store.sparse_indices:
+                                densify_grad(p)
                             self._add(index, p)
                     self._launch_complete_buckets()  # all complete now
                     for b in self._in_flight:

@@ -54,6 +54,34 @@ def check_no_shared_storage(module: nn.Module, what: str) -> None:
         seen[key] = name
 
 
+def check_no_max_norm_embeddings(module: nn.Module, what: str) -> None:
+    """Raise if an embedding of ``module`` has ``max_norm``.
+
+    [Note: embeddings with max_norm]
+    ``nn.Embedding(max_norm=m)`` (and ``nn.EmbeddingBag``) rescales, in place and inside the
+    forward, the rows its batch looks up whose norm exceeds ``m``. Every rank looks up other
+    rows, so replicated parameters would drift apart (torch's DDP lets them, silently), and
+    under FSDP / ZeRO-3 the forward rescales a gathered copy, so the rescale would be lost.
+    Rescaling every row after the step, ``weight.renorm_(p, 0, m)`` under ``no_grad``, is the
+    same on every rank and works on what a rank holds under every wrapper (rows are never
+    split; ZeRO-3's empty tensor of a weight another rank owns is skipped): the message
+    proposes it.
+    """
+    for name, m in module.named_modules():
+        if isinstance(m, (nn.Embedding, nn.EmbeddingBag)) and m.max_norm is not None:
+            where = f"'{name}'" if name else "the model"
+            raise ValueError(
+                f"{what}: {where} is an {type(m).__name__} with max_norm={m.max_norm}, which "
+                "rescales the rows its batch looks up, in place, during the forward; each rank "
+                "looks up other rows, so the ranks' parameters would drift apart (torch's DDP "
+                "lets them, silently). Build it without max_norm and rescale every row after "
+                f"each optimizer step instead, under torch.no_grad(): w = <the {type(m).__name__}>"
+                f".weight; if w.numel(): w.renorm_({m.norm_type}, 0, {m.max_norm}). That works "
+                "on what a rank holds with every wrapper: rows are never split across ranks "
+                "(under Zero3 a rank that does not own w holds an empty tensor)."
+            )
+
+
 def check_no_param_hooks(module: nn.Module, what: str) -> None:
     """Raise if a parameter of a sharding strategy's model has a gradient hook.
 

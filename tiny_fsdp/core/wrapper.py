@@ -32,7 +32,8 @@ whether it gives each parameter storage of its own (two distinct parameters shar
 would be untied), and whether each rank updates only its local part (plain optimizers are then
 refused). The checks: a parameter may belong to one live wrapper only ([Note: ownership tag]);
 every rank must hold the same model (names, shapes, dtypes), or collectives would pair unrelated
-tensors. The wrapper then tags every parameter as its own.
+tensors; no embedding may rescale its rows inside the forward ([Note: embeddings with max_norm]
+in ``wrap_checks.py``). The wrapper then tags every parameter as its own.
 """
 
 import contextlib
@@ -58,6 +59,7 @@ from tiny_fsdp.core.utils.arrival import every_rank_arrives
 from tiny_fsdp.core.utils.dist import check_backend_device, require_process_group
 from tiny_fsdp.core.utils.recompute import gradient_checkpointing, set_gradient_checkpointing
 from tiny_fsdp.core.wrap_checks import (
+    check_no_max_norm_embeddings,
     check_no_shared_storage,
     check_not_wrapped,
     check_same_model_on_all_ranks,
@@ -133,6 +135,7 @@ class DataParallelWrapper(nn.Module):
         """[Note: wrap-time checks]; then every parameter is tagged as this wrapper's."""
         what = type(self).__name__
         check_not_wrapped(self.module, what)
+        check_no_max_norm_embeddings(self.module, what)
         named = list(self.module.named_parameters())
         check_backend_device(named, what, self.collectives, allow_meta=self.materializes_meta)
         if self.separates_storage:

@@ -31,7 +31,7 @@ which slots hold a gradient and resets the bucket for the next backward. ``AllRe
 DDP's gradient store: its buckets, behind the engine's verbs, and who ``.grad`` is.
 """
 
-from typing import List, Optional, Sequence, Tuple
+from typing import Collection, List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
@@ -39,6 +39,7 @@ from torch import nn
 
 from tiny_fsdp.core import comm
 from tiny_fsdp.core.ddp.mixed_precision import ParamCast
+from tiny_fsdp.core.sparse_grads import SparseGradReduction
 
 
 class GradBucket:
@@ -150,7 +151,8 @@ class AllReduceBuckets:
     ``reduce_dtype``) is filled from ``param.grad`` and its averages are copied back.
     ``cast``: DDP's ``ParamCast`` under mixed precision; gradients are then assigned through it
     and the parameters get their masters back at the end of every backward ([Note: DDP mixed
-    precision]).
+    precision]). ``sparse``: ``id``s of parameters whose gradients stay sparse; each has a
+    ``SparseGradReduction`` instead of a slot, after the buckets ([Note: sparse gradients]).
     """
 
     reduces_eagerly = False  # without asynchronous communication, reduce at the end of backward
@@ -163,8 +165,11 @@ class AllReduceBuckets:
         world_size: int,
         dtype: Optional[torch.dtype] = None,
         cast: Optional[ParamCast] = None,
+        sparse: Collection[int] = (),
     ) -> None:
-        self.buckets = build_buckets(params, bucket_cap_bytes, world_size, dtype)
+        dense = [p for p in params if id(p) not in sparse]
+        self.buckets = build_buckets(dense, bucket_cap_bytes, world_size, dtype)
+        self.sparse = [SparseGradReduction(p, world_size, dtype) for p in params if id(p) in sparse]
         self.params: List[nn.Parameter] = [p for bucket in self.buckets for p in bucket.params]
         self.bucket_members: List[List[int]] = []
         self._where: List[Tuple[int, int]] = []  # parameter index -> (bucket, slot)
@@ -172,12 +177,21 @@ class AllReduceBuckets:
             first = len(self._where)
             self.bucket_members.append(list(range(first, first + len(bucket.params))))
             self._where += [(b, slot) for slot in range(len(bucket.params))]
+        # Then one reduction per sparse gradient, last in launch order.
+        self.sparse_indices = range(len(self.params), len(self.params) + len(self.sparse))
+        self.params += [reduction.params[0] for reduction in self.sparse]
+        self.bucket_members += [[index] for index in self.sparse_indices]
         self._master_dtype = [p.dtype for p in self.params]  # fp32 also while a ParamCast acts
         self._cast = cast
         self._set_grad = _assign_grad if cast is None else cast.set_grad
 
+    def _sparse(self, bucket: int) -> Optional[SparseGradReduction]:
+        """The sparse reduction that is bucket ``bucket`` (None for a dense bucket)."""
+        k = bucket - len(self.buckets)
+        return self.sparse[k] if k >= 0 else None
+
     def _slot(self, index: int) -> Tuple[GradBucket, int, bool]:
-        """(bucket, slot, the slot is the gradient) of parameter ``index``."""
+        """(bucket, slot, the slot is the gradient) of dense parameter ``index``."""
         b, slot = self._where[index]
         bucket = self.buckets[b]
         return bucket, slot, bucket.buffer.dtype == self._master_dtype[index]
@@ -187,8 +201,12 @@ class AllReduceBuckets:
 
     def keep_local(self, index: int, param: nn.Parameter) -> None:
         """Accumulate at the master's precision: in the slot when it can be the gradient."""
-        bucket, slot, slot_is_grad = self._slot(index)
         grad = param.grad
+        if index in self.sparse_indices:  # autograd adds sparse gradients up
+            if grad.dtype != self._master_dtype[index]:
+                self._set_grad(param, grad.to(self._master_dtype[index]))
+            return
+        bucket, slot, slot_is_grad = self._slot(index)
         if slot_is_grad:
             if not bucket.is_slot(slot, grad):
                 bucket.views[slot].copy_(grad)  # autograd adds later micro-steps in place
@@ -197,8 +215,11 @@ class AllReduceBuckets:
             self._set_grad(param, grad.to(self._master_dtype[index]))
 
     def add(self, index: int, param: nn.Parameter) -> None:
-        bucket, slot, slot_is_grad = self._slot(index)
         grad = param.grad
+        if index in self.sparse_indices:
+            self.sparse[index - self.sparse_indices.start].add_grad(grad)
+            return
+        bucket, slot, slot_is_grad = self._slot(index)
         bucket.add_grad(slot, grad)
         if grad is None or bucket.is_slot(slot, grad):
             return
@@ -208,13 +229,20 @@ class AllReduceBuckets:
             self._set_grad(param, None)  # a low-precision copy: the average comes at finish
 
     def launch(self, bucket: int, async_op: bool) -> None:
-        self.buckets[bucket].launch(async_op)
+        (self._sparse(bucket) or self.buckets[bucket]).launch(async_op)
 
     def is_done(self, bucket: int) -> bool:
-        return self.buckets[bucket].is_done()
+        return (self._sparse(bucket) or self.buckets[bucket]).is_done()
 
     def finish(self, bucket: int) -> None:
         """Make every slot that holds an average the parameter's gradient (or copy it there)."""
+        sparse = self._sparse(bucket)
+        if sparse is not None:
+            (index,) = self.bucket_members[bucket]
+            average = sparse.finish()
+            if average is not None:  # else no rank had a gradient: .grad stays None
+                self._set_grad(self.params[index], average.to(self._master_dtype[index]))
+            return
         have = self.buckets[bucket].finish()
         for index in self.bucket_members[bucket]:
             bucket_, slot, slot_is_grad = self._slot(index)
@@ -234,7 +262,7 @@ class AllReduceBuckets:
             self._cast.to_master()
 
     def reset(self) -> None:
-        for bucket in self.buckets:
+        for bucket in [*self.buckets, *self.sparse]:
             bucket.reset()
         if self._cast is not None:  # a failed backward: drop its gradients, keep the masters
             self._cast.to_master(attach_grads=False)

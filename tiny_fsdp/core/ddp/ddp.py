@@ -35,6 +35,7 @@ from tiny_fsdp.core.ddp.mixed_precision import ParamCast
 from tiny_fsdp.core.ownership import owner_of
 from tiny_fsdp.core.precision import MixedPrecisionPolicy
 from tiny_fsdp.core.replicated import ReplicatedWrapper, broadcast_module_buffers
+from tiny_fsdp.core.sparse_grads import sparse_grad_params
 from tiny_fsdp.core.utils.tree import map_tensors
 
 
@@ -118,7 +119,12 @@ class DDP(ReplicatedWrapper):
         policy = self.mixed_precision
         reduce_dtype = None if policy is None else policy.reduce_dtype
         store = AllReduceBuckets(
-            members, int(self.bucket_cap_mb * 2**20), self.world_size, reduce_dtype, self._cast
+            members,
+            int(self.bucket_cap_mb * 2**20),
+            self.world_size,
+            reduce_dtype,
+            self._cast,
+            sparse=sparse_grad_params(self.module),
         )
         self.buckets: List[GradBucket] = store.buckets
         if self._backward is not None:

@@ -12,22 +12,31 @@ from tiny_fsdp.core.module.base import CallbackModule
 class Embedding(CallbackModule, nn.Embedding):
     """Drop-in ``nn.Embedding``. ``weight``: (num_embeddings, dim); ``idx``: any int shape.
 
-    The row at ``padding_idx`` gets no gradient, as in ``torch.nn``. ``max_norm``,
-    ``scale_grad_by_freq`` and ``sparse`` are not supported (``check_supported`` says so).
+    The row at ``padding_idx`` gets no gradient, as in ``torch.nn``. With ``sparse=True`` the
+    gradient is computed dense ([Note: sparse gradients]). ``max_norm`` and
+    ``scale_grad_by_freq`` are not implemented: ``convert_module`` leaves such an embedding to
+    the generic path (where wrappers refuse ``max_norm``: [Note: embeddings with max_norm]).
     """
 
     param_names = ("weight",)
 
+    @classmethod
+    def implements(cls, module: nn.Module) -> bool:
+        plain = module.max_norm is None and not module.scale_grad_by_freq
+        return super().implements(module) and plain
+
     def check_supported(self) -> None:
-        """Raise if this instance uses an option the wrapper does not implement."""
-        if self.max_norm is not None or self.scale_grad_by_freq or self.sparse:
+        """Raise if this instance uses an option the wrapper does not implement (a wrapper
+        built directly, not by ``convert_module``)."""
+        if not self.implements(self):
             raise NotImplementedError(
-                "tiny_fsdp Embedding supports neither max_norm, scale_grad_by_freq nor sparse "
-                f"(got max_norm={self.max_norm}, scale_grad_by_freq={self.scale_grad_by_freq}, "
-                f"sparse={self.sparse}); build the nn.Embedding without them."
+                "tiny_fsdp Embedding supports neither max_norm nor scale_grad_by_freq (got "
+                f"max_norm={self.max_norm}, scale_grad_by_freq={self.scale_grad_by_freq}); "
+                "convert_module leaves such an nn.Embedding to the generic path."
             )
 
     def forward_callback(self, ctx: Any, idx: torch.Tensor) -> torch.Tensor:
+        self.check_supported()  # also for wrappers built directly, not by convert_module
         (weight,) = ctx.params
         ctx.save_for_backward(idx)
         return F.embedding(idx, weight, self.padding_idx)

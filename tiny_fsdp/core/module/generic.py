@@ -185,6 +185,8 @@ class GenericLayer:
             grad, full.grad = full.grad, None
             if grad is None:
                 return
+            if grad.is_sparse:  # reduced dense ([Note: sparse gradients])
+                grad = grad.to_dense()
             previous = self._pending.get(index)
             self._pending[index] = grad if previous is None else previous + grad
             trainable = [p for p in self.params if p.local.requires_grad]

@@ -324,7 +324,11 @@ class BaseOptimizer(torch.optim.Optimizer):
             if param.grad is None:
                 continue
             if param.grad.is_sparse:
-                raise RuntimeError(f"{type(self).__name__} does not support sparse gradients")
+                raise RuntimeError(
+                    f"{type(self).__name__} does not support sparse gradients (an embedding "
+                    "built with sparse=True): give those parameters to torch.optim.SparseAdam "
+                    "or torch.optim.SGD, or build the embedding with sparse=False"
+                )
             yield param, param.grad, self.state[param]
 
     def _update_(

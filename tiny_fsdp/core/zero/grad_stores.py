@@ -58,7 +58,7 @@ waits for a GPU).
 """
 
 from abc import ABC, abstractmethod
-from typing import Any, Dict, FrozenSet, Iterable, List, Optional, Sequence, Set
+from typing import Any, Dict, FrozenSet, Iterable, List, Optional, Sequence, Set, Tuple
 
 import torch
 from torch import nn
@@ -99,6 +99,7 @@ class ZeroGradStore(ABC):
     stage = 0
     reduces_eagerly = False
     max_in_flight: Optional[int] = None
+    sparse_indices: Tuple[int, ...] = ()  # dense flat buffers ([Note: sparse gradients])
 
     def __init__(
         self,
