@@ -15,9 +15,15 @@ tied parameter is one leaf: once, after both uses). Hooks hold the engine weakly
 holds the wrapper weakly, so a discarded wrapper does not live on through its parameters.
 
 1. The first hook of a backward reads ``require_backward_grad_sync`` and
-   ``enable_async_communication`` for the whole backward, calls ``store.begin`` (which may refuse:
-   ZeRO raises on gradients already reduced) and queues ``_end_of_backward`` on the autograd
-   engine.
+   ``enable_async_communication`` for the whole backward and calls ``store.begin`` (which may
+   refuse: ZeRO raises on gradients already reduced). ``_end_of_backward`` runs once the
+   backward is over, queued on the autograd engine's *outermost* backward: a reentrant
+   ``torch.utils.checkpoint`` runs its part of backward as a nested one, whose end is not the
+   end (with every trainable parameter inside checkpoints, a first hook fires in a nested
+   backward). So the wrapper's forward puts a ``register_multi_grad_hook`` on its output, which
+   fires first in any backward through it and queues the end there; it ends nothing if no
+   gradient hook fired (``torch.autograd.grad`` on inputs). A backward that does not run through
+   the wrapper's output (``model.module(...)``) has the end queued by its first hook.
 2. Inside ``no_sync()`` a hook only calls ``store.keep_local``: nothing is communicated and the
    gradients accumulate locally; the next synchronised backward reduces the accumulated total.
 3. In a synchronised backward a hook calls ``store.add`` (the gradient, divided by the world size,
@@ -44,9 +50,7 @@ its end callback runs, the wrapper's next forward drops the half state (``store.
 Limits: every rank must run backward through at least one trainable parameter in a synchronised
 step (otherwise its end callback is never queued and the other ranks wait); the set of trainable
 parameters is the store's (DDP builds a new store and engine when it changes: [Note: trainable
-set after wrapping] in ``replicated.py``); reentrant backward (``torch.utils.checkpoint`` with
-``use_reentrant=True``) would end the bucket cycle inside the inner backward and is not supported
-(``GPT2Model`` checkpoints with ``use_reentrant=False``).
+set after wrapping] in ``replicated.py``).
 """
 
 import weakref
@@ -55,6 +59,7 @@ from typing import Any, Callable, Collection, List, Optional, Protocol, Sequence
 import torch
 from torch import nn
 
+from tiny_fsdp.core.module.generic import output_tensors
 from tiny_fsdp.core.sparse_grads import densify_grad
 
 
@@ -126,6 +131,7 @@ class BucketedBackward:
             for index, p in enumerate(store.params)
         ]
         self._hook_handles.append(owner.register_forward_pre_hook(_drop_stale_state_hook(engine)))
+        self._hook_handles.append(owner.register_forward_hook(_watch_output_hook(engine)))
 
     def remove(self) -> None:
         """Unhook from the parameters and the wrapper (the wrapper builds a new engine)."""
@@ -134,6 +140,7 @@ class BucketedBackward:
         self._hook_handles = []
 
     def _reset(self) -> None:
+        self._outer_end_queued = False  # a backward through the output queued the end
         self._active = False  # a backward's first hook fired, its end callback has not run
         self._sync = True  # this backward is synchronised
         self._async = False  # this backward launches asynchronously
@@ -144,7 +151,7 @@ class BucketedBackward:
         self.store.reset()
 
     def _drop_stale_state(self) -> None:
-        if self._active:  # the previous backward raised before its end callback ran
+        if self._active or self._outer_end_queued:  # a backward raised before its end ran
             self._reset()
 
     def _on_grad_ready(self, index: int, param: nn.Parameter) -> None:
@@ -156,7 +163,8 @@ class BucketedBackward:
             self.store.begin(sync)
             self._active, self._sync = True, sync
             self._async = owner.enable_async_communication
-            torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
+            if not self._outer_end_queued:  # a backward not through the wrapper's output
+                torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
         with torch.no_grad():
             if index not in self.store.sparse_indices:
                 densify_grad(param)
@@ -168,11 +176,26 @@ class BucketedBackward:
                 self._launch_complete_buckets()
                 self._finish_completed()
 
+    def _watch_output(self, output: Any) -> None:
+        needing = [t for t in output_tensors(output) if t.requires_grad]
+        if needing and torch.is_grad_enabled():
+            register = torch.autograd.graph.register_multi_grad_hook
+            register(needing, self._outer_backward_starts, mode="any")
+
+    def _outer_backward_starts(self, grad: Optional[torch.Tensor]) -> None:
+        if not self._outer_end_queued:
+            self._outer_end_queued = True
+            torch.autograd.Variable._execution_engine.queue_callback(self._end_of_outer_backward)
+
+    def _end_of_outer_backward(self) -> None:
+        self._outer_end_queued = False
+        if self._active:
+            self._end_of_backward()
+
     def _add(self, index: int, param: nn.Parameter) -> None:
         if self._fired[index]:
             raise RuntimeError(
-                f"the gradient of trainable parameter {index} became ready twice in one backward "
-                "(reentrant backward is not supported)"
+                f"the gradient of trainable parameter {index} became ready twice in one backward"
             )
         self.store.add(index, param)
         self._fired[index] = True
@@ -206,6 +229,8 @@ class BucketedBackward:
         self._in_flight = running
 
     def _end_of_backward(self) -> None:
+        if not self._active:  # ended already (the end queued for the output came first)
+            return
         try:
             with torch.no_grad():
                 if self._sync:
@@ -229,6 +254,15 @@ def _grad_ready_hook(
         live = engine()
         if live is not None:
             live._on_grad_ready(index, param)
+
+    return hook
+
+
+def _watch_output_hook(engine: "weakref.ref[BucketedBackward]") -> Callable[..., None]:
+    def hook(module: nn.Module, args: Any, output: Any) -> None:
+        live = engine()
+        if live is not None:
+            live._watch_output(output)
 
     return hook
 
