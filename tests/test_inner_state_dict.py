@@ -3,7 +3,8 @@
 loadable into the plain model, where under FSDP / ZeRO-3 it used to hold this rank's shards
 ([Note: the inner model's state dict] in ``tiny_fsdp/core/wrapper.py``); likewise
 ``model.module.load_state_dict`` takes full tensors. A copy of the inner model keeps its own
-tensors and gathers nothing.
+tensors and gathers nothing. The wrapper's ``load_state_dict`` also takes a state dict saved
+from torch's ``DistributedDataParallel``, whose keys carry ``module.``.
 """
 
 import copy
@@ -49,6 +50,13 @@ def _worker(rank: int, world_size: int) -> List[str]:
         mismatch = r"0.weight: copying a param with shape torch.Size\(\[7, 4\]\) from checkpoint"
         with pytest.raises(RuntimeError, match=mismatch + r".*model is torch.Size\(\[7, 5\]\)"):
             model.module.load_state_dict(wrong)
+
+        # A checkpoint torch's DDP saved (keys "module."-prefixed) loads into the wrapper.
+        torch_ddp = nn.parallel.DistributedDataParallel(_plain())
+        saved = {k: v + 2 for k, v in torch_ddp.state_dict().items()}
+        assert all(key.startswith("module.") for key in saved)
+        assert model.load_state_dict(saved) == ([], []), wrapper
+        assert all(torch.equal(v, saved["module." + k]) for k, v in model.state_dict().items())
 
         calls = sum(comm.LEDGER.calls.values())
         copy.deepcopy(model.module).state_dict()

@@ -296,11 +296,13 @@ class DataParallelWrapper(nn.Module):
         self, state_dict: Mapping[str, Any], strict: bool = True, assign: bool = False
     ) -> IncompatibleKeys:
         """Load full tensors under the plain model's keys (the same dict on every rank); each
-        rank keeps what it holds of every tensor."""
+        rank keeps what it holds of every tensor. A state dict saved from torch's
+        ``DistributedDataParallel`` (every key ``module.``-prefixed) loads as well."""
         what = type(self).__name__
         if assign:
             raise _assign_error(what)
         own = self.local_state_dict(keep_vars=True)
+        state_dict = _without_ddp_prefix(state_dict, own)
         missing = [key for key in own if key not in state_dict]
         unexpected = [key for key in state_dict if key not in own]
         if strict and (missing or unexpected):
@@ -393,6 +395,17 @@ class DataParallelWrapper(nn.Module):
             "load_state_dict(). DDP and ZeRO-1/2 take a real model: to_empty() and initialise "
             "it before wrapping."
         )
+
+
+def _without_ddp_prefix(state_dict: Mapping[str, Any], own: Mapping[str, Any]) -> Mapping[str, Any]:
+    """``state_dict`` with torch DDP's ``module.`` prefix taken off its keys, when every key
+    has it and no key of the model does (torch's ``consume_prefix_in_state_dict_if_present``)."""
+    prefix = "module."
+    if not state_dict or not all(key.startswith(prefix) for key in state_dict):
+        return state_dict
+    if any(key.startswith(prefix) for key in own):
+        return state_dict
+    return OrderedDict((key[len(prefix) :], value) for key, value in state_dict.items())
 
 
 def _assign_error(what: str) -> ValueError:
