@@ -210,6 +210,27 @@ class DataParallelWrapper(nn.Module):
         finally:
             self.require_backward_grad_sync = previous
 
+    def register_comm_hook(self, state: Any, hook: Any) -> None:
+        """torch DDP's communication hooks: ``DDP`` runs them ([Note: DDP communication
+        hooks]); the other strategies reduce by collectives of their own and refuse."""
+        raise NotImplementedError(
+            f"{type(self).__name__}.register_comm_hook: communication hooks replace DDP's "
+            "gradient all-reduce; this strategy reduces its gradients with collectives of its "
+            "own. Use DDP for a hook; to halve the gradient traffic here, pass "
+            "mixed_precision=MixedPrecisionPolicy(torch.bfloat16) (gradients reduced in bf16)."
+        )
+
+    def join(self, *args: Any, **kwargs: Any) -> Any:
+        """torch DDP's ``join()`` for uneven inputs is not implemented: it raises, with what to
+        do instead."""
+        raise NotImplementedError(
+            f"{type(self).__name__}.join (torch DDP's uneven-inputs context) is not "
+            "implemented: every rank must run the same number of forward and backward passes, "
+            "or the ranks wait for each other. Give every rank as many batches "
+            "(torch.utils.data.DistributedSampler pads the dataset to a multiple of the world "
+            "size; drop_last=True on the DataLoader drops the uneven tail)."
+        )
+
     # ------------------------------------------------------------ what this rank holds
     # [Note: strategy state]. Defaults: a replicated strategy; sharded ones override.
 

@@ -8,7 +8,9 @@ A bucket owns one flat buffer of its parameters' dtype (or the mixed-precision p
                numel(p0)  numel(p1)        numel(pk-1)  k elements
 
 Gradient ``i`` enters already divided by the world size, so the SUM all-reduce of the buffer,
-in place, leaves the AVERAGE (pre-dividing works on every backend, unlike ReduceOp.AVG). Flag
+in place, leaves the AVERAGE (pre-dividing works on every backend, unlike ReduceOp.AVG). With a
+communication hook the gradients enter undivided and the hook reduces them ([Note: DDP
+communication hooks] in ``comm_hooks.py``). Flag
 ``i`` is 1 on a rank that had a gradient for parameter ``i`` and 0 on a rank that had none
 (parameter unused in its forward); after the all-reduce a zero flag means no rank had a gradient,
 and the parameter's ``.grad`` is left None, as single-device training would leave it. Riding in
@@ -31,13 +33,13 @@ which slots hold a gradient and resets the bucket for the next backward. ``AllRe
 DDP's gradient store: its buckets, behind the engine's verbs, and who ``.grad`` is.
 """
 
-from typing import Collection, List, Optional, Sequence, Tuple
+from typing import Any, Collection, List, Optional, Sequence, Tuple
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from tiny_fsdp.core import comm
+from tiny_fsdp.core.ddp.comm_hooks import CommHook
 from tiny_fsdp.core.ddp.mixed_precision import ParamCast
 from tiny_fsdp.core.sparse_grads import SparseGradReduction
 
@@ -73,8 +75,11 @@ class GradBucket:
             offset += p.numel()
         self.flags = self.buffer[total:]  # (len(params),)
         self._has_grad = [False] * len(self.params)
-        self._work: Optional[dist.Work] = None
+        self._work: Optional[Any] = None  # dist.Work, or HookWork with a communication hook
         self.launched = False
+        # A communication hook, and this bucket's place in launch order for it.
+        self.comm_hook: Optional[CommHook] = None
+        self.index, self.is_last = 0, True
 
     def is_slot(self, slot: int, grad: Optional[torch.Tensor]) -> bool:
         """``grad`` is slot ``slot`` itself (a gradient already living in the bucket)."""
@@ -87,8 +92,9 @@ class GradBucket:
         )
 
     def add_grad(self, slot: int, grad: Optional[torch.Tensor]) -> None:
-        """Put ``grad / world_size`` (shape of ``params[slot]``) in its slot: in place when
-        ``grad`` is the slot, else copied (and cast) in the same pass.
+        """Put ``grad / world_size`` (shape of ``params[slot]``; ``grad`` itself with a
+        communication hook) in its slot: in place when ``grad`` is the slot, else copied (and
+        cast) in the same pass.
 
         ``grad`` None (the parameter had no gradient on this rank): zeros, and a zero flag.
         """
@@ -96,10 +102,11 @@ class GradBucket:
         if grad is None:
             view.zero_()
             return
+        divisor = self.world_size if self.comm_hook is None else 1
         if not self.is_slot(slot, grad):
-            torch.div(grad, self.world_size, out=view)
-        elif self.world_size > 1:
-            view.div_(self.world_size)
+            torch.div(grad, divisor, out=view)
+        elif divisor > 1:
+            view.div_(divisor)
         self._has_grad[slot] = True
 
     def launch(self, async_op: bool) -> None:
@@ -109,7 +116,16 @@ class GradBucket:
             self.flags.fill_(1)  # one kernel: the common case
         else:
             self.flags.copy_(torch.tensor(self._has_grad, dtype=self.flags.dtype))
-        self._work = comm.all_reduce(self.buffer, async_op=async_op)
+        if self.comm_hook is None:
+            self._work = comm.all_reduce(self.buffer, async_op=async_op)
+        else:
+            numel = self.buffer.numel() - len(self.params)
+            hook = self.comm_hook
+            self._work = hook.launch(
+                self.buffer, numel, self.views, self.params, self.index, self.is_last
+            )
+            if not async_op:
+                self._work.wait()
         self.launched = True
 
     def is_done(self) -> bool:
@@ -184,6 +200,12 @@ class AllReduceBuckets:
         self._master_dtype = [p.dtype for p in self.params]  # fp32 also while a ParamCast acts
         self._cast = cast
         self._set_grad = _assign_grad if cast is None else cast.set_grad
+
+    def set_comm_hook(self, hook: Optional[CommHook]) -> None:
+        """Reduce every dense bucket with ``hook`` ([Note: DDP communication hooks])."""
+        for b, bucket in enumerate(self.buckets):
+            bucket.comm_hook = hook
+            bucket.index, bucket.is_last = b, b == len(self.buckets) - 1
 
     def _sparse(self, bucket: int) -> Optional[SparseGradReduction]:
         """The sparse reduction that is bucket ``bucket`` (None for a dense bucket)."""

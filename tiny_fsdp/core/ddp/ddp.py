@@ -31,6 +31,7 @@ from torch import nn
 from tiny_fsdp.core import comm
 from tiny_fsdp.core.bucketed_backward import BucketedBackward
 from tiny_fsdp.core.ddp.bucket import AllReduceBuckets, GradBucket
+from tiny_fsdp.core.ddp.comm_hooks import CommHook, Hook, check_one_hook
 from tiny_fsdp.core.ddp.mixed_precision import ParamCast
 from tiny_fsdp.core.ownership import owner_of
 from tiny_fsdp.core.precision import MixedPrecisionPolicy
@@ -108,7 +109,16 @@ class DDP(ReplicatedWrapper):
         if mixed_precision is not None:
             self._cast = ParamCast(params, mixed_precision.param_dtype)
         self._backward: Optional[BucketedBackward] = None
+        self._comm_hook: Optional[CommHook] = None
         self._build_buckets()
+
+    def register_comm_hook(self, state: Any, hook: Hook) -> None:
+        """Reduce each gradient bucket with ``hook(state, bucket)``, a communication hook
+        written for torch's DDP (``fp16_compress_hook``, PowerSGD, your own), with torch's
+        contract ([Note: DDP communication hooks]). Call once, before training."""
+        check_one_hook(self._comm_hook, type(self).__name__)
+        self._comm_hook = CommHook(state, hook)
+        self._backward.store.set_comm_hook(self._comm_hook)
 
     def _build_buckets(self) -> None:
         """Buckets and backward engine over the trainable parameters and those that had a
@@ -126,6 +136,7 @@ class DDP(ReplicatedWrapper):
             self._cast,
             sparse=sparse_grad_params(self.module),
         )
+        store.set_comm_hook(self._comm_hook)
         self.buckets: List[GradBucket] = store.buckets
         if self._backward is not None:
             self._backward.remove()
