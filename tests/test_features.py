@@ -157,6 +157,12 @@ def _check_grad_accum(rank: int, world_size: int) -> None:
             lm_loss(model(xs), ys).backward()
         inner = sum(comm.LEDGER.calls[k] for k in GRAD_KINDS)
         assert inner == 0, f"{strategy}: {inner} gradient collectives inside no_sync()"
+        model.set_requires_gradient_sync(False)  # FSDP2's spelling of no_sync()
+        lm_loss(model(xs), ys).backward()
+        inner = sum(comm.LEDGER.calls[k] for k in GRAD_KINDS)
+        assert inner == 0, f"{strategy}: {inner} gradient collectives without gradient sync"
+        model.set_requires_gradient_sync(True)
+        assert model.require_backward_grad_sync, strategy
         got = train(strategy, rank, world_size, steps=3, grad_accum=2)
         assert_close_run(got, reference, LOSS_ATOL, PARAM_ATOL, f"{strategy} grad_accum=2")
 

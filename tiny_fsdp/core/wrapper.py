@@ -210,6 +210,13 @@ class DataParallelWrapper(nn.Module):
         finally:
             self.require_backward_grad_sync = previous
 
+    def set_requires_gradient_sync(
+        self, requires_gradient_sync: bool, *, recurse: bool = True
+    ) -> None:
+        """FSDP2's switch for gradient accumulation: False is ``no_sync()`` until set back to
+        True (``recurse`` is accepted: one wrapper holds the whole model)."""
+        self.require_backward_grad_sync = bool(requires_gradient_sync)
+
     def register_comm_hook(self, state: Any, hook: Any) -> None:
         """torch DDP's communication hooks: ``DDP`` runs them ([Note: DDP communication
         hooks]); the other strategies reduce by collectives of their own and refuse."""
