@@ -45,6 +45,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from tiny_fsdp.core import foreign_optimizers
 from tiny_fsdp.core.clip import HeldGrads, clip_grad_norm_
 from tiny_fsdp.core.local_state import LocalPiece, replicated_piece
 from tiny_fsdp.core.module import convert_module
@@ -101,6 +102,10 @@ class DataParallelWrapper(nn.Module):
     updates_local_part: bool = False
     #: ``full_tensor`` is a collective, so ``state_dict()`` is one that every rank must call.
     gathers_full_tensors: bool = False
+    #: What a rank's ``model.parameters()`` are, for another library's optimizer ([Note:
+    #: optimizers of other libraries]): "replicas", "flat_buffer", "dim0_shards" or
+    #: "owned_tensors".
+    local_params: str = "replicas"
 
     def __init__(
         self,
@@ -111,6 +116,7 @@ class DataParallelWrapper(nn.Module):
     ) -> None:
         require_process_group(type(self).__name__)
         super().__init__()
+        foreign_optimizers.install()
         if mixed_precision is not None and not isinstance(mixed_precision, MixedPrecisionPolicy):
             raise TypeError(
                 f"mixed_precision must be a MixedPrecisionPolicy or None, got {mixed_precision!r}"

@@ -86,6 +86,7 @@ class FSDP(FetchingWrapper):
     materializes_meta = True
     separates_storage = True
     updates_local_part = True
+    local_params = "dim0_shards"  # [Note: optimizers of other libraries]
     gathers_full_tensors = True
 
     def __init__(

@@ -20,7 +20,6 @@ from typing import Any, Dict, FrozenSet, List, Optional, Sequence, Type
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from tiny_fsdp.core import comm
 from tiny_fsdp.core.bucketed_backward import BucketedBackward
@@ -46,34 +45,6 @@ def zero_owner(tensor: torch.Tensor) -> Optional["ZeroWrapper"]:
     """The live ZeRO-1/2 wrapper whose model holds ``tensor`` as a parameter, or None."""
     owner = owner_of(tensor)
     return owner if isinstance(owner, ZeroWrapper) else None
-
-
-# Optimizers found to step no ZeRO-1/2 parameter -> how many parameters they had then.
-_CHECKED: "weakref.WeakKeyDictionary[Any, int]" = weakref.WeakKeyDictionary()
-_STEP_HOOK: List[Any] = []  # the global optimizer step pre-hook, once registered
-
-
-def _refuse_other_optimizers(optimizer: Any, args: Any, kwargs: Any) -> None:
-    """Step pre-hook of every ``torch.optim.Optimizer``: one that is not tiny_fsdp's must not
-    step ZeRO-1/2 parameters, whose reduced gradients live in the wrapper (ZeRO-1's ``.grad``
-    holds them only in this rank's chunks, ZeRO-2 keeps no ``.grad``)."""
-    if getattr(optimizer, "takes_strategy_params", False):
-        return
-    n_params = sum(len(group["params"]) for group in optimizer.param_groups)
-    if _CHECKED.get(optimizer) == n_params:
-        return
-    for group in optimizer.param_groups:
-        for param in group["params"]:
-            owner = zero_owner(param)
-            if owner is not None:
-                kind = type(owner).__name__
-                raise RuntimeError(
-                    f"{type(optimizer).__name__} steps parameters of a {kind} model: their "
-                    f"reduced gradients reach only tiny_fsdp's {kind} optimizers ({kind}AdamW, "
-                    f"{kind}SGD on model.named_parameters()), not a torch.optim one (for "
-                    "torch.optim, wrap the model with DDP)"
-                )
-    _CHECKED[optimizer] = n_params
 
 
 class ZeroWrapper(ReplicatedWrapper):
@@ -107,6 +78,7 @@ class ZeroWrapper(ReplicatedWrapper):
     collectives = ("broadcast", "all_reduce")  # on gloo; NCCL: reduce-scatter / all-gather
     separates_storage = True  # the flat buffer
     updates_local_part = True
+    local_params = "flat_buffer"  # [Note: optimizers of other libraries]
 
     def __init__(
         self,
@@ -168,8 +140,6 @@ class ZeroWrapper(ReplicatedWrapper):
             broadcast_module_buffers(self.module)
 
         self._grads = self.grad_store(self.params, self.layout, dtype, device, self.rank)
-        if not _STEP_HOOK:
-            _STEP_HOOK.append(register_optimizer_step_pre_hook(_refuse_other_optimizers))
         self._optimizers: "weakref.WeakSet[Any]" = weakref.WeakSet()
         self._backward = BucketedBackward(self, self._grads)
 

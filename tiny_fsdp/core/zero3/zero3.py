@@ -84,6 +84,7 @@ class Zero3(FetchingWrapper):
     materializes_meta = True
     separates_storage = True
     updates_local_part = True
+    local_params = "owned_tensors"  # [Note: optimizers of other libraries]
     gathers_full_tensors = True
 
     def __init__(

@@ -1,0 +1,125 @@
+"""Optimizers that are not tiny_fsdp's (``torch.optim``, other libraries) on a wrapped model.
+
+[Note: optimizers of other libraries]
+A rank's ``model.parameters()`` are what it holds ([Note: strategy state]); a wrapper says which
+by its ``local_params``. Whether another library's optimizer steps them right depends on how its
+update rule reads them:
+
+- ``"replicas"`` (DDP): full tensors with averaged gradients: any optimizer is right.
+- ``"flat_buffer"`` (ZeRO-1/2): the reduced gradients live in the wrapper's store, so only the
+  strategy's own optimizers (``Zero1AdamW``, ...) can step; any other is refused.
+- ``"dim0_shards"`` (FSDP): a rule that works element by element (``ELEMENTWISE``:
+  torch.optim's SGD, Adam, AdamW, ...) steps a shard as it would the shard's rows of the full
+  tensor. A rule that reads a whole tensor (``PER_TENSOR``: Adafactor's column statistics,
+  Muon's orthogonalisation) or all parameters at once (``ACROSS_TENSORS``: LBFGS's dot
+  products) would see only this rank's rows and train wrong, silently: refused, naming ZeRO-3
+  (whole tensors) or DDP.
+- ``"owned_tensors"`` (ZeRO-3): whole tensors on their owner, an empty placeholder elsewhere:
+  element-wise and per-tensor rules are right; across-tensor ones are refused. (Muon's own
+  constructor refuses a placeholder, which is 1-D: give it this rank's tensors,
+  ``[p for p in model.parameters() if p.numel()]``.)
+
+torch.optim's classes are known (exact classes: a subclass may change the rule). Another
+class steps with a warning, once per class and strategy, saying which rules are right. A
+global step pre-hook checks each optimizer at its first step and again when its parameters
+change; tiny_fsdp's own optimizers (``takes_strategy_params``) are not checked.
+"""
+
+import warnings
+import weakref
+from typing import Any, Dict, List, Set, Tuple
+
+from torch.optim.optimizer import register_optimizer_step_pre_hook
+
+from tiny_fsdp.core.ownership import owner_of
+
+ELEMENTWISE = {
+    "SGD", "Adam", "AdamW", "Adamax", "NAdam", "RAdam", "RMSprop", "Rprop", "Adagrad",
+    "Adadelta", "ASGD", "SparseAdam",
+}  # fmt: skip
+PER_TENSOR = {"Adafactor", "Muon"}
+ACROSS_TENSORS = {"LBFGS"}
+
+# Optimizers checked -> how many parameters they had then.
+_CHECKED: "weakref.WeakKeyDictionary[Any, int]" = weakref.WeakKeyDictionary()
+_WARNED: Set[Tuple[type, str]] = set()
+_HOOK: List[Any] = []  # the global step pre-hook, once registered
+
+
+def install() -> None:
+    """Register the global optimizer step pre-hook (once per process)."""
+    if not _HOOK:
+        _HOOK.append(register_optimizer_step_pre_hook(_check_optimizer))
+
+
+def _check_optimizer(optimizer: Any, args: Any, kwargs: Any) -> None:
+    if getattr(optimizer, "takes_strategy_params", False):
+        return
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    if _CHECKED.get(optimizer) == len(params):
+        return
+    owners: Dict[str, Any] = {}
+    for param in params:
+        owner = owner_of(param)
+        if owner is not None:
+            owners.setdefault(owner.local_params, owner)
+    for layout, owner in owners.items():
+        _check(optimizer, layout, type(owner).__name__)
+    _CHECKED[optimizer] = len(params)
+
+
+def _rule(optimizer: Any) -> str:
+    """How ``optimizer``'s update reads the tensors, if its class is torch.optim's own."""
+    cls = type(optimizer)
+    if not cls.__module__.startswith("torch.optim"):
+        return "unknown"
+    name = cls.__name__
+    if name in ELEMENTWISE:
+        return "elementwise"
+    if name in PER_TENSOR:
+        return "per_tensor"
+    return "across_tensors" if name in ACROSS_TENSORS else "unknown"
+
+
+def _check(optimizer: Any, layout: str, kind: str) -> None:
+    name, rule = type(optimizer).__name__, _rule(optimizer)
+    if layout == "flat_buffer":
+        raise RuntimeError(
+            f"{name} steps parameters of a {kind} model: their reduced gradients reach only "
+            f"tiny_fsdp's {kind} optimizers ({kind}AdamW, {kind}SGD on "
+            "model.named_parameters()), not another optimizer (for torch.optim, wrap the "
+            "model with DDP, or use Zero3 / FSDP)"
+        )
+    if layout == "dim0_shards" and rule in ("per_tensor", "across_tensors"):
+        reads = "whole tensors" if rule == "per_tensor" else "all parameters at once"
+        use = "Zero3 (each rank holds whole tensors) or DDP" if rule == "per_tensor" else "DDP"
+        raise RuntimeError(
+            f"{name} steps the parameters of an {kind} model, which are this rank's dim-0 "
+            f"shards; its update reads {reads}, so it would see only this rank's rows and "
+            f"train wrong. Use {use} for {name}; element-wise optimizers (torch.optim's SGD, "
+            "Adam, AdamW, ...) are right on shards."
+        )
+    if layout == "owned_tensors" and rule == "across_tensors":
+        raise RuntimeError(
+            f"{name} steps the parameters of a {kind} model, of which this rank holds the "
+            "tensors it owns (empty placeholders for the others); its update reads all "
+            f"parameters at once, so it would see only this rank's and train wrong. Use DDP."
+        )
+    if rule == "unknown" and layout in ("dim0_shards", "owned_tensors"):
+        if (type(optimizer), layout) in _WARNED:
+            return
+        _WARNED.add((type(optimizer), layout))
+        holds = (
+            "its dim-0 shards: an update that works element by element is right on them, one "
+            "that reads a whole tensor (a norm, row or column statistics) or several is not "
+            "(use Zero3 or DDP for such a rule)"
+            if layout == "dim0_shards"
+            else "the whole tensors it owns and empty placeholders for the others: an update "
+            "per element or per tensor is right, one that reads several tensors at once is "
+            "not (use DDP for such a rule)"
+        )
+        warnings.warn(
+            f"{name} steps the parameters of a {kind} model; a rank holds {holds} "
+            "([Note: optimizers of other libraries]).",
+            stacklevel=4,
+        )
