@@ -11,10 +11,13 @@ parameters, in the buffer's order; ``index()`` in launch order; ``is_last()``) a
 
 A bucket with a hook therefore takes its gradients undivided and hands the hook
 ``buffer[:numel]`` (the gradients, without the flags of [Note: gradient bucket layout]); the
-flags go in an all-reduce of their own, launched with the hook, so a parameter no rank had a
-gradient for still keeps ``.grad`` None. The future's value is copied into the gradients if the
-hook did not reduce in place. Collectives a hook issues itself do not pass through ``comm``, so
-the ledger does not count them. Sparse gradients ([Note: sparse gradients]) take no hook, as in
+flags go in an all-reduce of their own, issued just before the hook is called (a hook may
+issue more collectives from its future's callbacks, on another thread: the flags must come
+before all of them on every rank), so a parameter no rank had a gradient for still keeps
+``.grad`` None. The future's value is copied into the gradients if the hook did not reduce in
+place. Collectives a hook issues itself do not pass through ``comm``, so the ledger does not
+count them; as under torch's DDP, the order of a hook's callback collectives against the next
+bucket's is the hook's affair. Sparse gradients ([Note: sparse gradients]) take no hook, as in
 torch's DDP.
 """
 
@@ -64,17 +67,17 @@ class HookBucket:
 
 
 class HookWork:
-    """The reduction of one bucket by a hook: its future and the flags' all-reduce; ``wait``
-    leaves the reduced gradients in ``gradients`` (the bucket's buffer without the flags)."""
+    """The reduction of one bucket by a hook: the flags' all-reduce and the hook's future;
+    ``wait`` leaves the reduced gradients in ``gradients`` (the bucket's buffer without the
+    flags)."""
 
-    def __init__(self, future: torch.futures.Future, flags: torch.Tensor, gradients: torch.Tensor):
+    def __init__(self, flags_work: Any, future: Any, gradients: torch.Tensor) -> None:
         if not (hasattr(future, "wait") and hasattr(future, "done")):
             raise TypeError(
                 f"a DDP communication hook must return a torch.futures.Future, got "
                 f"{type(future).__name__}"
             )
-        self._future = future
-        self._flags_work = comm.all_reduce(flags, async_op=True)
+        self._flags_work, self._future = flags_work, future
         self._gradients = gradients
         self._done = False
 
@@ -110,10 +113,12 @@ class CommHook:
         index: int,
         is_last: bool,
     ) -> HookWork:
-        """Run the hook on ``buffer[:numel]`` (the gradients; the rest are the flags)."""
+        """Run the hook on ``buffer[:numel]`` (the gradients; the rest are the flags, whose
+        all-reduce is issued first: see the Note)."""
         gradients, flags = buffer[:numel], buffer[numel:]
+        flags_work = comm.all_reduce(flags, async_op=True)
         bucket = HookBucket(gradients, views, params, index, is_last)
-        return HookWork(self.hook(self.state, bucket), flags, gradients)
+        return HookWork(flags_work, self.hook(self.state, bucket), gradients)
 
 
 def check_one_hook(existing: Optional[CommHook], what: str) -> None:
