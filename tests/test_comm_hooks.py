@@ -22,6 +22,7 @@ from torch import nn
 from tests.build import build
 from tests.harness import run_distributed
 from tests.parity import assert_trains_alike
+from tiny_fsdp.core.comm import LEDGER
 
 STEPS = 4
 SGD = dict(lr=0.1, momentum=0.9)
@@ -123,6 +124,13 @@ def _worker(rank: int, world_size: int) -> List[str]:
         assert unused == ref_unused == [False] * STEPS, name
         if name == "checking":  # one bucket, the last, once per synchronised backward
             assert state.seen == [(0, True)] * STEPS, state.seen
+            # The ledger counts the flags' all-reduce (one element per parameter), not the
+            # collectives the hook issues itself.
+            LEDGER.reset()
+            model(torch.randn(3, 6)).sum().backward()
+            n_params = len(list(model.parameters()))
+            assert dict(LEDGER.calls) == {"all_reduce": 1}, dict(LEDGER.calls)
+            assert LEDGER.payload_bytes["all_reduce"] == 4 * n_params
         seen.append(name)
     return seen
 
@@ -143,7 +151,7 @@ def _refusals(rank: int, world_size: int) -> List[str]:
     for strategy in ("zero1", "zero2", "fsdp", "zero3", "ddp"):
         model, _ = build(strategy, _model(), None)
         if strategy != "ddp":
-            with pytest.raises(NotImplementedError, match="Use DDP for a hook"):
+            with pytest.raises(NotImplementedError, match="Use DDP for a hook.*MixedPrecision"):
                 model.register_comm_hook(None, hook)
         with pytest.raises(NotImplementedError, match="DistributedSampler"):
             model.join()
