@@ -162,6 +162,13 @@ def _sparse_adam_worker(rank: int, world_size: int) -> str:
     model(torch.ones(1, 2, dtype=torch.long)).sum().backward()
     with pytest.raises(RuntimeError, match="SparseAdam"):
         wrong.step()
+
+    # A sparse embedding tied to a dense output layer gets a dense gradient: said, on every rank.
+    tied = _model()
+    tied.head.weight = tied.emb.weight
+    model = DDP(tied)
+    with pytest.raises(RuntimeError, match="got a dense gradient.*tied to an output layer"):
+        model(torch.ones(1, 2, dtype=torch.long)).sum().backward()
     return "ok"
 
 
