@@ -163,6 +163,12 @@ def _sparse_adam_worker(rank: int, world_size: int) -> str:
     with pytest.raises(RuntimeError, match="SparseAdam"):
         wrong.step()
 
+    # A batch of padding only: the embedding's sparse gradient has no rows on any rank.
+    model = DDP(_model())
+    model(torch.zeros(1, 3, dtype=torch.long)).sum().backward()
+    grad = model.module.emb.weight.grad
+    assert grad.is_sparse and grad._nnz() == 0 and grad.shape == (VOCAB, DIM)
+
     # A sparse embedding tied to a dense output layer gets a dense gradient: said, on every rank.
     tied = _model()
     tied.head.weight = tied.emb.weight
