@@ -163,6 +163,8 @@ def _check_grad_accum(rank: int, world_size: int) -> None:
         assert inner == 0, f"{strategy}: {inner} gradient collectives without gradient sync"
         model.set_requires_gradient_sync(True)
         assert model.require_backward_grad_sync, strategy
+        with pytest.raises(ValueError, match="recurse=True"):
+            model.set_requires_gradient_sync(False, recurse=False)
         got = train(strategy, rank, world_size, steps=3, grad_accum=2)
         assert_close_run(got, reference, LOSS_ATOL, PARAM_ATOL, f"{strategy} grad_accum=2")
 

@@ -166,8 +166,7 @@ class BucketedBackward:
             if not self._outer_end_queued:  # a backward not through the wrapper's output
                 torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
         with torch.no_grad():
-            if index not in self.store.sparse_indices:
-                densify_grad(param)
+            self._densify(index, param)
             if not self._sync:
                 self.store.keep_local(index, param)
                 return
@@ -175,6 +174,12 @@ class BucketedBackward:
             if self._async or self.store.reduces_eagerly:
                 self._launch_complete_buckets()
                 self._finish_completed()
+
+    def _densify(self, index: int, param: nn.Parameter) -> None:
+        """A sparse ``.grad`` the store does not take sparse is made dense ([Note: sparse
+        gradients])."""
+        if index not in self.store.sparse_indices:
+            densify_grad(param)
 
     def _watch_output(self, output: Any) -> None:
         needing = [t for t in output_tensors(output) if t.requires_grad]
@@ -236,8 +241,7 @@ class BucketedBackward:
                 if self._sync:
                     for index, p in enumerate(self.store.params):
                         if not self._fired[index]:  # unused in this forward: zeros or kept grads
-                            if index not in self.store.sparse_indices:
-                                densify_grad(p)
+                            self._densify(index, p)  # a .grad set by hand may be sparse
                             self._add(index, p)
                     self._launch_complete_buckets()  # all complete now
                     for b in self._in_flight:

@@ -55,17 +55,18 @@ def install() -> None:
 def _check_optimizer(optimizer: Any, args: Any, kwargs: Any) -> None:
     if getattr(optimizer, "takes_strategy_params", False):
         return
-    params = [p for group in optimizer.param_groups for p in group["params"]]
-    if _CHECKED.get(optimizer) == len(params):
+    n_params = sum(len(group["params"]) for group in optimizer.param_groups)
+    if _CHECKED.get(optimizer) == n_params:
         return
     owners: Dict[str, Any] = {}
-    for param in params:
-        owner = owner_of(param)
-        if owner is not None:
-            owners.setdefault(owner.local_params, owner)
+    for group in optimizer.param_groups:
+        for param in group["params"]:
+            owner = owner_of(param)
+            if owner is not None:
+                owners.setdefault(owner.local_params, owner)
     for layout, owner in owners.items():
         _check(optimizer, layout, type(owner).__name__)
-    _CHECKED[optimizer] = len(params)
+    _CHECKED[optimizer] = n_params
 
 
 def _rule(optimizer: Any) -> str:

@@ -220,7 +220,14 @@ class DataParallelWrapper(nn.Module):
         self, requires_gradient_sync: bool, *, recurse: bool = True
     ) -> None:
         """FSDP2's switch for gradient accumulation: False is ``no_sync()`` until set back to
-        True (``recurse`` is accepted: one wrapper holds the whole model)."""
+        True. One wrapper holds the whole model, so the switch is for all of it: ``recurse``
+        must stay True (FSDP2's False would leave the submodules' own setting)."""
+        if not recurse:
+            raise ValueError(
+                f"{type(self).__name__}.set_requires_gradient_sync(recurse=False): one wrapper "
+                "holds the whole model here, with one switch for all of it; call it with "
+                "recurse=True (the default)"
+            )
         self.require_backward_grad_sync = bool(requires_gradient_sync)
 
     def register_comm_hook(self, state: Any, hook: Any) -> None:

@@ -188,7 +188,8 @@ class AllReduceBuckets:
         self.sparse = [SparseGradReduction(p, world_size, dtype) for p in params if id(p) in sparse]
         self.params: List[nn.Parameter] = [p for bucket in self.buckets for p in bucket.params]
         self.bucket_members: List[List[int]] = []
-        self._where: List[Tuple[int, int]] = []  # parameter index -> (bucket, slot)
+        # parameter index -> (bucket, slot); a sparse gradient's: (its reduction's bucket, 0)
+        self._where: List[Tuple[int, int]] = []
         for b, bucket in enumerate(self.buckets):
             first = len(self._where)
             self.bucket_members.append(list(range(first, first + len(bucket.params))))
@@ -197,6 +198,7 @@ class AllReduceBuckets:
         self.sparse_indices = range(len(self.params), len(self.params) + len(self.sparse))
         self.params += [reduction.params[0] for reduction in self.sparse]
         self.bucket_members += [[index] for index in self.sparse_indices]
+        self._where += [(len(self.buckets) + k, 0) for k in range(len(self.sparse))]
         self._master_dtype = [p.dtype for p in self.params]  # fp32 also while a ParamCast acts
         self._cast = cast
         self._set_grad = _assign_grad if cast is None else cast.set_grad
@@ -224,22 +226,20 @@ class AllReduceBuckets:
     def keep_local(self, index: int, param: nn.Parameter) -> None:
         """Accumulate at the master's precision: in the slot when it can be the gradient."""
         grad = param.grad
-        if index in self.sparse_indices:  # autograd adds sparse gradients up
-            if grad.dtype != self._master_dtype[index]:
-                self._set_grad(param, grad.to(self._master_dtype[index]))
-            return
-        bucket, slot, slot_is_grad = self._slot(index)
-        if slot_is_grad:
-            if not bucket.is_slot(slot, grad):
-                bucket.views[slot].copy_(grad)  # autograd adds later micro-steps in place
-                self._set_grad(param, bucket.views[slot])
-        elif grad.dtype != self._master_dtype[index]:
+        if index not in self.sparse_indices:  # a sparse gradient has no slot: it stays .grad
+            bucket, slot, slot_is_grad = self._slot(index)
+            if slot_is_grad:
+                if not bucket.is_slot(slot, grad):
+                    bucket.views[slot].copy_(grad)  # autograd adds later micro-steps in place
+                    self._set_grad(param, bucket.views[slot])
+                return
+        if grad.dtype != self._master_dtype[index]:
             self._set_grad(param, grad.to(self._master_dtype[index]))
 
     def add(self, index: int, param: nn.Parameter) -> None:
         grad = param.grad
         if index in self.sparse_indices:
-            self.sparse[index - self.sparse_indices.start].add_grad(grad)
+            self._sparse(self._where[index][0]).add_grad(grad)
             return
         bucket, slot, slot_is_grad = self._slot(index)
         bucket.add_grad(slot, grad)
