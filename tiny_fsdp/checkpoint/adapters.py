@@ -60,6 +60,13 @@ class StateSlice(Slice):
     store: Optional[MutableMapping] = None
     key: Optional[Tensor] = None
     master: Optional[Tensor] = None  # separate high-precision copy of the slice, if any
+    # What the state values are shaped like when not ``local``: the rank's parameter, whose
+    # leading ``stop - start`` elements are the slice (FSDP's padding rows come last).
+    holder: Optional[Tensor] = None
+
+    @property
+    def state_shape(self) -> torch.Size:
+        return (self.local if self.holder is None else self.holder).shape
 
     def get(self) -> Dict[str, Any]:
         return self.store.get(self.key) or {}
@@ -134,9 +141,21 @@ class Adapter:
         for sp in pieces:
             s = self._slice(self.name_of(sp.param), sp.param, LocalPiece(sp.start, sp.local))
             key = sp.param if state_pieces is None else sp.local
+            # Another library's optimizer shapes its state like the parameter (FSDP: the
+            # padded shard); tiny_fsdp's like the slice it updates.
+            foreign = not getattr(self.optimizer, "takes_strategy_params", False)
+            holder = sp.param if state_pieces is None and foreign else None
             out.append(
                 StateSlice(
-                    s.name, s.shape, s.start, s.stop, s.local, self.optimizer.state, key, sp.master
+                    s.name,
+                    s.shape,
+                    s.start,
+                    s.stop,
+                    s.local,
+                    self.optimizer.state,
+                    key,
+                    sp.master,
+                    holder,
                 )
             )
         return out
@@ -189,10 +208,10 @@ class Adapter:
 # -------------------------------------------------------------------- export / import
 
 
-def _elementwise(key: str, value: Any, local: Tensor) -> bool:
+def _elementwise(key: str, value: Any, s: StateSlice) -> bool:
     return (
         isinstance(value, Tensor)
-        and value.shape == local.shape
+        and value.shape == s.state_shape
         and not (value.dim() == 0 and key in SCALAR_KEYS)
     )
 
@@ -213,9 +232,10 @@ def export_pieces(adapter: Adapter) -> Tuple[List[Piece], Dict[str, Dict[str, An
         if s.master is not None:
             state["master"] = s.master
         for key, value in state.items():
-            if _elementwise(key, value, s.local):
+            if _elementwise(key, value, s):
                 tid = optim_tid(s.name, key)
-                pieces.append(Piece(tid, s.shape, s.start, s.stop, value.reshape(-1)))
+                data = value.reshape(-1)[: s.stop - s.start]
+                pieces.append(Piece(tid, s.shape, s.start, s.stop, data))
             else:
                 scalars.setdefault(s.name, {})[key] = value
     return pieces, scalars
@@ -254,8 +274,8 @@ def import_pieces(adapter: Adapter, reader: CheckpointReader) -> None:
                 if s.master is not None:
                     reader.read_into(tid, s.start, s.stop, s.master)
                 continue
-            value = torch.empty(s.local.shape, dtype=reader.dtype(tid), device=s.local.device)
-            reader.read_into(tid, s.start, s.stop, value)
+            value = torch.zeros(s.state_shape, dtype=reader.dtype(tid), device=s.local.device)
+            reader.read_into(tid, s.start, s.stop, value.view(-1)[: s.stop - s.start])
             state[key] = value
         s.set(state)
     saved = reader.optional("param_groups")
