@@ -9,7 +9,7 @@ kind is run here), Adafactor / Muon (a whole tensor) and LBFGS (every parameter)
 ZeRO-3 holds whole tensors: element-wise and per-tensor rules are right (Muon given this
 rank's tensors), LBFGS is refused. An optimizer class of another library steps with one
 warning per class and strategy. DDP takes anything. (ZeRO-1/2 refuse every optimizer but
-their own: ``tests/test_zero12.py``.)
+their own, which take a torch.optim class: ``tests/test_zero_torch_optimizers.py``.)
 """
 
 import warnings
@@ -22,6 +22,7 @@ from torch import nn
 from tests.build import build
 from tests.harness import run_distributed
 from tests.parity import assert_trains_alike
+from tests.zoo import SignSGD
 
 STEPS = 3
 # The same update rule on the same values: float32 rounding of the averaged gradients only.
@@ -46,20 +47,6 @@ PER_TENSOR: Dict[str, Make] = {
     "Adafactor": lambda p: torch.optim.Adafactor(p, lr=1e-2),
     "Muon": lambda p: torch.optim.Muon([q for q in p if q.numel()], lr=0.02),
 }
-
-
-class SignSGD(torch.optim.Optimizer):
-    """An optimizer of "another library": element-wise, so right on shards, but unknown."""
-
-    def __init__(self, params: List[nn.Parameter], lr: float) -> None:
-        super().__init__(params, dict(lr=lr))
-
-    @torch.no_grad()
-    def step(self, closure: None = None) -> None:
-        for group in self.param_groups:
-            for p in group["params"]:
-                if p.grad is not None:
-                    p.add_(p.grad.sign(), alpha=-group["lr"])
 
 
 def _model() -> nn.Module:

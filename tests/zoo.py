@@ -12,7 +12,7 @@ function that turns a batch into their loss.
 """
 
 from dataclasses import dataclass
-from typing import Callable, Dict, Tuple
+from typing import Any, Callable, Dict, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -190,3 +190,18 @@ class TinyBlocksLM(nn.Module):
         for block in self.blocks:
             h = h + block(h)
         return self.out(h)  # (B, T, vocab)
+
+
+class SignSGD(torch.optim.Optimizer):
+    """An optimizer of "another library": element-wise (right on shards and slices), but not
+    one tiny_fsdp knows."""
+
+    def __init__(self, params: Any, lr: float) -> None:
+        super().__init__(params, dict(lr=lr))
+
+    @torch.no_grad()
+    def step(self, closure: None = None) -> None:
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is not None:
+                    p.add_(p.grad.sign(), alpha=-group["lr"])

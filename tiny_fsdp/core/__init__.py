@@ -39,7 +39,16 @@ from tiny_fsdp.core.utils.failure import (
     fail_fast,
     nonfinite_ranks,
 )
-from tiny_fsdp.core.zero import Zero1, Zero1AdamW, Zero1SGD, Zero2, Zero2AdamW, Zero2SGD
+from tiny_fsdp.core.zero import (
+    Zero1,
+    Zero1AdamW,
+    Zero1Optimizer,
+    Zero1SGD,
+    Zero2,
+    Zero2AdamW,
+    Zero2Optimizer,
+    Zero2SGD,
+)
 from tiny_fsdp.core.zero3 import Zero3, Zero3AdamW, Zero3SGD, zero3_partition_tensors
 
 clip.install()  # torch.nn.utils.clip_grad_norm_ over ranks ([Note: clipping with torch's function])
@@ -59,9 +68,11 @@ __all__ = [
     "FSDPSGD",
     "Zero1",
     "Zero1AdamW",
+    "Zero1Optimizer",
     "Zero1SGD",
     "Zero2",
     "Zero2AdamW",
+    "Zero2Optimizer",
     "Zero2SGD",
     "Zero3",
     "Zero3AdamW",

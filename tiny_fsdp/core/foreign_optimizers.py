@@ -7,7 +7,9 @@ update rule reads them:
 
 - ``"replicas"`` (DDP): full tensors with averaged gradients: any optimizer is right.
 - ``"flat_buffer"`` (ZeRO-1/2): the reduced gradients live in the wrapper's store, so only the
-  strategy's own optimizers (``Zero1AdamW``, ...) can step; any other is refused.
+  strategy's own optimizers can step: refused, naming ``Zero1Optimizer(...,
+  optimizer_class=...)``, which steps this rank's share with a torch.optim class's rule
+  ([Note: torch.optim rules on pieces]).
 - ``"dim0_shards"`` (FSDP): a rule that works element by element (``ELEMENTWISE``:
   torch.optim's SGD, Adam, AdamW, ...) steps a shard as it would the shard's rows of the full
   tensor. A rule that reads a whole tensor (``PER_TENSOR``: Adafactor's column statistics,
@@ -19,10 +21,10 @@ update rule reads them:
   constructor refuses a placeholder, which is 1-D: give it this rank's tensors,
   ``[p for p in model.parameters() if p.numel()]``.)
 
-torch.optim's classes are known (exact classes: a subclass may change the rule). Another
-class steps with a warning, once per class and strategy, saying which rules are right. A
-global step pre-hook checks each optimizer at its first step and again when its parameters
-change; tiny_fsdp's own optimizers (``takes_strategy_params``) are not checked.
+torch.optim's classes are known (``rule_kind``; exact classes: a subclass may change the
+rule). Another class steps with a warning, once per class and strategy, saying which rules are
+right. A global step pre-hook checks each optimizer at its first step and again when its
+parameters change; tiny_fsdp's own optimizers (``takes_strategy_params``) are not checked.
 """
 
 import warnings
@@ -31,14 +33,8 @@ from typing import Any, Dict, List, Set, Tuple
 
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
+from tiny_fsdp.core.optim.torch_rule import rule_kind, rule_name
 from tiny_fsdp.core.ownership import owner_of
-
-ELEMENTWISE = {
-    "SGD", "Adam", "AdamW", "Adamax", "NAdam", "RAdam", "RMSprop", "Rprop", "Adagrad",
-    "Adadelta", "ASGD", "SparseAdam",
-}  # fmt: skip
-PER_TENSOR = {"Adafactor", "Muon"}
-ACROSS_TENSORS = {"LBFGS"}
 
 # Optimizers checked -> how many parameters they had then.
 _CHECKED: "weakref.WeakKeyDictionary[Any, int]" = weakref.WeakKeyDictionary()
@@ -69,27 +65,15 @@ def _check_optimizer(optimizer: Any, args: Any, kwargs: Any) -> None:
     _CHECKED[optimizer] = n_params
 
 
-def _rule(optimizer: Any) -> str:
-    """How ``optimizer``'s update reads the tensors, if its class is torch.optim's own."""
-    cls = type(optimizer)
-    if not cls.__module__.startswith("torch.optim"):
-        return "unknown"
-    name = cls.__name__
-    if name in ELEMENTWISE:
-        return "elementwise"
-    if name in PER_TENSOR:
-        return "per_tensor"
-    return "across_tensors" if name in ACROSS_TENSORS else "unknown"
-
-
 def _check(optimizer: Any, layout: str, kind: str) -> None:
-    name, rule = type(optimizer).__name__, _rule(optimizer)
+    name, rule = type(optimizer).__name__, rule_kind(type(optimizer))
     if layout == "flat_buffer":
         raise RuntimeError(
             f"{name} steps parameters of a {kind} model: their reduced gradients reach only "
-            f"tiny_fsdp's {kind} optimizers ({kind}AdamW, {kind}SGD on "
-            "model.named_parameters()), not another optimizer (for torch.optim, wrap the "
-            "model with DDP, or use Zero3 / FSDP)"
+            f"tiny_fsdp's {kind} optimizers: {kind}Optimizer(model.named_parameters(), "
+            f"optimizer_class={rule_name(type(optimizer))}, lr=...) steps "
+            f"this rank's share with {name}'s rule (as ZeroRedundancyOptimizer's "
+            f"optimizer_class), {kind}AdamW / {kind}SGD with tiny_fsdp's own"
         )
     if layout == "dim0_shards" and rule in ("per_tensor", "across_tensors"):
         reads = "whole tensors" if rule == "per_tensor" else "all parameters at once"

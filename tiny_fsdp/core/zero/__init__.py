@@ -2,7 +2,14 @@
 
 from tiny_fsdp.core.zero.flat_buffer import FlatBuffer, FlatLayout
 from tiny_fsdp.core.zero.grad_stores import FullGradBuffer, StagedGradShard, ZeroGradStore
-from tiny_fsdp.core.zero.optim import Zero1AdamW, Zero1SGD, Zero2AdamW, Zero2SGD
+from tiny_fsdp.core.zero.optim import (
+    Zero1AdamW,
+    Zero1Optimizer,
+    Zero1SGD,
+    Zero2AdamW,
+    Zero2Optimizer,
+    Zero2SGD,
+)
 from tiny_fsdp.core.zero.zero import Zero1, Zero2, ZeroWrapper, zero_owner
 
 __all__ = [
@@ -12,9 +19,11 @@ __all__ = [
     "StagedGradShard",
     "Zero1",
     "Zero1AdamW",
+    "Zero1Optimizer",
     "Zero1SGD",
     "Zero2",
     "Zero2AdamW",
+    "Zero2Optimizer",
     "Zero2SGD",
     "ZeroGradStore",
     "ZeroWrapper",

@@ -1,4 +1,4 @@
-"""Optimizers for ZeRO-1/2-wrapped models: the project's AdamW / SGD on this rank's shard only.
+"""Optimizers for ZeRO-1/2-wrapped models: AdamW, SGD or a torch.optim class on this rank's shard.
 
 [Note: ZeRO optimizer step]
 At construction the optimizer finds the ``Zero1`` / ``Zero2`` wrapper of its parameters and takes
@@ -7,7 +7,8 @@ elements: a view of the parameter buffer when parameters are 32-bit or wider (th
 master; nothing is duplicated), else an fp32 copy (a view of one contiguous fp32 master shard,
 ``shard_numel`` elements), initialised from the parameters. ``step``:
 
-1. applies the unchanged update rule (``adamw_update_`` / ``sgd_update_``) to every piece's
+1. applies the unchanged update rule (``adamw_update_`` / ``sgd_update_``, or a torch.optim
+   class's: [Note: torch.optim rules on pieces]) to every piece's
    master with its reduced gradient (``wrapper.reduced_grad``: a view into the gradient store,
    [Note: ZeRO gradient stores]; cast to fp32 by the rule) and its own state, so optimizer
    state exists for owned elements only. Pieces of parameters no rank had a gradient for are
@@ -29,7 +30,7 @@ import torch
 from torch import Tensor
 
 from tiny_fsdp.core.local_state import StatePiece
-from tiny_fsdp.core.optim import SGD, AdamW
+from tiny_fsdp.core.optim import SGD, AdamW, TorchRule
 from tiny_fsdp.core.zero.consolidated_state import check_loadable, consolidate, slice_pieces
 from tiny_fsdp.core.zero.flat_buffer import Piece, shard_piece
 from tiny_fsdp.core.zero.zero import Zero1, Zero2, ZeroWrapper, zero_owner
@@ -47,13 +48,14 @@ class OwnedPiece:
 
 
 class _ZeroOptimizer:
-    """Mixin before ``AdamW`` / ``SGD``: update only this rank's pieces ([Note: ZeRO optimizer
-    step]). Subclasses set the ``wrapper_cls`` they update and the update ``rule``."""
+    """Mixin before ``AdamW`` / ``SGD`` / ``TorchRule``: update only this rank's pieces ([Note:
+    ZeRO optimizer step]). Subclasses set the ``wrapper_cls`` they update and the update
+    ``rule``'s name (checkpoints record it)."""
 
     takes_strategy_params = True
 
     wrapper_cls: Optional[Type[ZeroWrapper]] = None
-    rule: str = ""
+    rule: str
     # Each rank yields only its own pieces ([Note: clipping over shards]).
     grads_are_sharded = True
     # Provided by torch.optim.Optimizer (declared for readers and type checkers).
@@ -62,7 +64,9 @@ class _ZeroOptimizer:
 
     def __init__(self, params: Any, *args: Any, **kwargs: Any) -> None:
         if self.wrapper_cls is None:
-            raise TypeError(f"use Zero1{self.rule} or Zero2{self.rule}, not {type(self).__name__}")
+            raise TypeError(
+                f"{type(self).__name__} is a mixin: use Zero1AdamW, Zero2Optimizer, ..."
+            )
         self._wrapper: Optional[ZeroWrapper] = None
         self._master_shard: Optional[Tensor] = None  # only for < 32-bit parameters
         self._masters_given = False  # _master_shard came from the wrapper's fp32 values
@@ -112,7 +116,7 @@ class _ZeroOptimizer:
             got = type(wrapper).__name__
             raise ValueError(
                 f"{cls} needs a {needed}-wrapped model but parameter '{name}' belongs to "
-                f"a {got}; use {got}{self.rule}"
+                f"a {got}; use {cls.replace(needed, got, 1)}"
             )
         if self._wrapper is None:
             self._wrapper = wrapper
@@ -281,3 +285,18 @@ class Zero2SGD(_ZeroOptimizer, SGD):
     """``SGD`` (same arguments) for a ``Zero2`` model: momentum and fp32 master sharded."""
 
     wrapper_cls, rule = Zero2, "SGD"
+
+
+class Zero1Optimizer(_ZeroOptimizer, TorchRule):
+    """``optimizer_class`` (an element-wise torch.optim class, e.g. ``torch.optim.Adam``) with
+    its keyword arguments, for a ``Zero1`` model, as ``ZeroRedundancyOptimizer``'s
+    ``optimizer_class``: state and fp32 master sharded ([Note: torch.optim rules on pieces])."""
+
+    wrapper_cls = Zero1
+
+
+class Zero2Optimizer(_ZeroOptimizer, TorchRule):
+    """``optimizer_class`` with its keyword arguments for a ``Zero2`` model (see
+    ``Zero1Optimizer``): state, gradients and fp32 master sharded."""
+
+    wrapper_cls = Zero2
