@@ -153,11 +153,11 @@ def _refusals(rank: int, world_size: int) -> List[str]:
         if strategy != "ddp":
             with pytest.raises(NotImplementedError, match="Use DDP for a hook.*MixedPrecision"):
                 model.register_comm_hook(None, hook)
-        with pytest.raises(NotImplementedError, match="DistributedSampler"):
-            model.join()
+            with pytest.raises(NotImplementedError, match="DDP only.*DistributedSampler"):
+                model.join()  # DDP's: tests/test_join.py
         seen.append(strategy)
     return seen
 
 
-def test_other_wrappers_refuse_hooks_and_no_wrapper_offers_join_silently() -> None:
+def test_other_wrappers_refuse_hooks_and_join() -> None:
     assert len(run_distributed(_refusals, 2)[0]) == 5

@@ -175,6 +175,16 @@ class BucketedBackward:
                 self._launch_complete_buckets()
                 self._finish_completed()
 
+    def reduce_without_gradients(self) -> None:
+        """The collectives of a synchronised backward in which no gradient arrived, as a rank
+        that ran out of data issues them for the others ([Note: DDP join]): every bucket in
+        launch order, with zeros; afterwards ``.grad`` holds what the other ranks reduced."""
+        for param in self.store.params:
+            param.grad = None  # a rank without data contributes nothing
+        self.store.begin(True)
+        self._active, self._sync, self._async = True, True, False
+        self._end_of_backward()
+
     def _densify(self, index: int, param: nn.Parameter) -> None:
         """A sparse ``.grad`` the store does not take sparse is made dense ([Note: sparse
         gradients])."""

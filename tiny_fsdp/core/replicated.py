@@ -78,6 +78,7 @@ class ReplicatedWrapper(DataParallelWrapper):
     ) -> None:
         super().__init__(module, enable_async_communication, mixed_precision)
         self.broadcast_buffers = broadcast_buffers
+        self.buffer_source = 0  # the rank whose buffers are broadcast ([Note: DDP join])
         self._sync_buffers_before_forward = True  # torch's DDP starts with a broadcast too
         self._named_params = list(self.module.named_parameters())  # a tied parameter once
         self._requires_grad = self._requires_grad_flags()
@@ -104,9 +105,14 @@ class ReplicatedWrapper(DataParallelWrapper):
         """Give the parameters ``names`` (trainable now, no place yet) a place, or raise."""
         raise NotImplementedError
 
+    @property
+    def buffers_due(self) -> bool:
+        """The next forward broadcasts the buffers."""
+        return self.broadcast_buffers and self._sync_buffers_before_forward
+
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        if self.broadcast_buffers and self._sync_buffers_before_forward:
-            broadcast_module_buffers(self.module)
+        if self.buffers_due:
+            broadcast_module_buffers(self.module, src=self.buffer_source)
         output = self.module(*args, **kwargs)
         self._sync_buffers_before_forward = (
             torch.is_grad_enabled() and self.require_backward_grad_sync

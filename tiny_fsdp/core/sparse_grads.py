@@ -56,6 +56,7 @@ class SparseGradReduction:
     ) -> None:
         self.params: List[nn.Parameter] = [param]
         self.world_size = world_size
+        self.divisor = world_size  # of a gradient added (DDP's join may lower it)
         self.dtype = dtype
         self._local: Optional[torch.Tensor] = None  # coalesced, divided by the world size
         self._average: Optional[torch.Tensor] = None
@@ -70,7 +71,7 @@ class SparseGradReduction:
                 "tied to an output layer?); build the embedding with sparse=False"
             )
         if grad is not None:
-            grad = grad.coalesce().to(self.dtype or grad.dtype) / self.world_size
+            grad = grad.coalesce().to(self.dtype or grad.dtype) / self.divisor
         self._local = grad
 
     def launch(self, async_op: bool) -> None:

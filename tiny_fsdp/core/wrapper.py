@@ -241,14 +241,14 @@ class DataParallelWrapper(nn.Module):
         )
 
     def join(self, *args: Any, **kwargs: Any) -> Any:
-        """torch DDP's ``join()`` for uneven inputs is not implemented: it raises, with what to
-        do instead."""
+        """torch DDP's ``join()`` for uneven inputs: DDP has it ([Note: DDP join]); the other
+        strategies raise, with what to do instead."""
         raise NotImplementedError(
-            f"{type(self).__name__}.join (torch DDP's uneven-inputs context) is not "
-            "implemented: every rank must run the same number of forward and backward passes, "
-            "or the ranks wait for each other. Give every rank as many batches "
-            "(torch.utils.data.DistributedSampler pads the dataset to a multiple of the world "
-            "size; drop_last=True on the DataLoader drops the uneven tail)."
+            f"{type(self).__name__}.join (torch DDP's uneven-inputs context) is implemented "
+            "for DDP only: under this strategy every rank must run the same number of forward "
+            "and backward passes, or the ranks wait for each other. Give every rank as many "
+            "batches (torch.utils.data.DistributedSampler pads the dataset to a multiple of the "
+            "world size; drop_last=True on the DataLoader drops the uneven tail)."
         )
 
     # ------------------------------------------------------------ what this rank holds

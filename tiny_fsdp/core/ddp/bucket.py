@@ -64,7 +64,7 @@ class GradBucket:
         if any(p.dtype != first.dtype or p.device != first.device for p in params):
             raise ValueError("all parameters of a bucket must share one dtype and device")
         self.params: List[nn.Parameter] = list(params)
-        self.world_size = world_size
+        self.divisor = world_size  # of a gradient added (DDP's join may lower it)
         total = sum(p.numel() for p in self.params)
         dtype = first.dtype if dtype is None else dtype
         self.buffer = torch.zeros(total + len(self.params), dtype=dtype, device=first.device)
@@ -102,7 +102,7 @@ class GradBucket:
         if grad is None:
             view.zero_()
             return
-        divisor = self.world_size if self.comm_hook is None else 1
+        divisor = self.divisor if self.comm_hook is None else 1
         if not self.is_slot(slot, grad):
             torch.div(grad, divisor, out=view)
         elif divisor > 1:
@@ -208,6 +208,11 @@ class AllReduceBuckets:
         for b, bucket in enumerate(self.buckets):
             bucket.comm_hook = hook
             bucket.index, bucket.is_last = b, b == len(self.buckets) - 1
+
+    def set_divisor(self, divisor: int) -> None:
+        """Divide the gradients added from now on by ``divisor`` (the world size at first)."""
+        for reduction in [*self.buckets, *self.sparse]:
+            reduction.divisor = divisor
 
     def _sparse(self, bucket: int) -> Optional[SparseGradReduction]:
         """The sparse reduction that is bucket ``bucket`` (None for a dense bucket)."""

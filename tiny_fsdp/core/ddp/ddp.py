@@ -27,11 +27,13 @@ from typing import Any, Dict, List, Mapping, Optional, Sequence, Set, Union
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.algorithms.join import Joinable
 
 from tiny_fsdp.core import comm
 from tiny_fsdp.core.bucketed_backward import BucketedBackward
 from tiny_fsdp.core.ddp.bucket import AllReduceBuckets, GradBucket
 from tiny_fsdp.core.ddp.comm_hooks import CommHook, Hook, check_one_hook
+from tiny_fsdp.core.ddp.join import DDPJoinHook, JoinContext
 from tiny_fsdp.core.ddp.mixed_precision import ParamCast
 from tiny_fsdp.core.ownership import owner_of
 from tiny_fsdp.core.precision import MixedPrecisionPolicy
@@ -45,7 +47,7 @@ def is_ddp_param(tensor: torch.Tensor) -> bool:
     return isinstance(owner_of(tensor), DDP)
 
 
-class DDP(ReplicatedWrapper):
+class DDP(ReplicatedWrapper, Joinable):
     """Distributed data parallel: replicate ``module``, average gradients over ranks.
 
     Args:
@@ -73,6 +75,7 @@ class DDP(ReplicatedWrapper):
             not.
 
     ``state_dict()`` / ``load_state_dict()`` use the plain model's keys (no ``module.`` prefix).
+    Uneven inputs: ``with model.join(): ...`` ([Note: DDP join]).
     """
 
     def __init__(
@@ -99,9 +102,11 @@ class DDP(ReplicatedWrapper):
             )
         input_device = _input_device(list(module.parameters()), device_ids, output_device)
         super().__init__(module, enable_async_communication, mixed_precision, broadcast_buffers)
+        Joinable.__init__(self)
+        self._join_hook: Optional[DDPJoinHook] = None
         self.input_device = input_device
         params = list(self.module.parameters())  # deduplicated: a tied parameter appears once
-        _broadcast_from_rank0(self.module)
+        _broadcast_module_states(self.module, src=0)
 
         self.bucket_cap_mb = bucket_cap_mb
         self.world_size = dist.get_world_size()
@@ -119,6 +124,64 @@ class DDP(ReplicatedWrapper):
         check_one_hook(self._comm_hook, type(self).__name__)
         self._comm_hook = CommHook(state, hook)
         self._backward.store.set_comm_hook(self._comm_hook)
+
+    # ------------------------------------------------------------ uneven inputs
+
+    def join(
+        self,
+        divide_by_initial_world_size: bool = True,
+        enable: bool = True,
+        throw_on_early_termination: bool = False,
+    ) -> JoinContext:
+        """torch DDP's context for uneven inputs: a rank whose data ran out shadows the others'
+        collectives until every rank is done ([Note: DDP join]). ``divide_by_initial_world_size``:
+        average over every rank (a finished one gives zeros) or over the ranks with data;
+        ``throw_on_early_termination``: raise on every rank as soon as one runs out instead."""
+        if not divide_by_initial_world_size and self._comm_hook is not None:
+            raise ValueError(
+                "DDP.join(divide_by_initial_world_size=False) with a communication hook: the "
+                "hook divides the gradients itself; keep the default (True)"
+            )
+        return JoinContext(
+            [self],
+            enable,
+            throw_on_early_termination,
+            divide_by_initial_world_size=divide_by_initial_world_size,
+        )
+
+    def join_hook(self, **kwargs: Any) -> DDPJoinHook:
+        """torch's ``Joinable`` API: what this rank runs for the model once it has joined."""
+        self._join_hook = DDPJoinHook(self, kwargs.get("divide_by_initial_world_size", True))
+        return self._join_hook
+
+    @property
+    def join_device(self) -> torch.device:
+        return next((p.device for p in self.module.parameters()), torch.device("cpu"))
+
+    @property
+    def join_process_group(self) -> Any:
+        return dist.group.WORLD
+
+    def backward_synchronises(self) -> bool:
+        """A backward of the forward now starting reduces gradients."""
+        return torch.is_grad_enabled() and self.require_backward_grad_sync and self._trainable
+
+    def set_gradient_divisor(self, divisor: int) -> None:
+        """Divide the gradients of the coming backwards by ``divisor`` ([Note: DDP join])."""
+        self._backward.store.set_divisor(divisor)
+
+    def broadcast_buffers_from(self, src: int) -> None:
+        broadcast_module_buffers(self.module, src=src)
+
+    def reduce_without_gradients(self) -> None:
+        """The collectives of a synchronised backward, contributing no gradient."""
+        self._backward.reduce_without_gradients()
+
+    def sync_module_states(self, src: int) -> None:
+        """Give every rank rank ``src``'s parameters and buffers."""
+        if self._cast is not None:
+            self._cast.to_master()
+        _broadcast_module_states(self.module, src)
 
     def _build_buckets(self) -> None:
         """Buckets and backward engine over the trainable parameters and those that had a
@@ -162,6 +225,8 @@ class DDP(ReplicatedWrapper):
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         self.follow_trainable_set()  # before the compute copies: buckets take master dtypes
+        if self._join_config.enable and self._join_hook is not None:
+            self._join_hook.begin_iteration()  # inside join(): [Note: DDP join]
         if self.input_device is not None:
             device = self.input_device
             args, kwargs = map_tensors((args, kwargs), lambda t: t.to(device, non_blocking=True))
@@ -230,8 +295,9 @@ def _check_every_rank(group: Optional[dist.ProcessGroup]) -> None:
     )
 
 
-def _broadcast_from_rank0(module: nn.Module) -> None:
-    """Make every rank start from rank 0's parameters and buffers."""
+@torch.no_grad()
+def _broadcast_module_states(module: nn.Module, src: int) -> None:
+    """Give every rank rank ``src``'s parameters and buffers."""
     for param in module.parameters():
-        comm.broadcast_into(param.detach(), src=0)
-    broadcast_module_buffers(module)
+        comm.broadcast_into(param.detach(), src=src)
+    broadcast_module_buffers(module, src=src)
