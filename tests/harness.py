@@ -40,6 +40,7 @@ import pickle
 import shutil
 import signal
 import socket
+import subprocess
 import sys
 import tempfile
 import threading
@@ -162,6 +163,32 @@ def run_distributed(
             # Interrupted (Ctrl-C, pytest-timeout, ...) while ranks were busy: kill them.
             _discard_pool(key)
             raise
+
+
+def run_script_ranks(script: str, world_size: int, timeout: float = 120.0) -> list[tuple[int, str]]:
+    """Run ``python <script>`` (a path from the repository root) as ranks ``0..world_size-1`` of
+    one gloo job (``RANK`` / ``WORLD_SIZE`` / ``MASTER_*`` set, as ``torchrun`` does), for tests
+    of what happens when processes exit; returns each rank's (exit code, output)."""
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=REPO_ROOT, GLOO_SOCKET_IFNAME="lo",
+               WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1",
+               MASTER_PORT=str(_free_port()))  # fmt: skip
+    procs = [
+        subprocess.Popen(
+            [sys.executable, script],
+            cwd=REPO_ROOT,
+            env=dict(env, RANK=str(rank)),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        for rank in range(world_size)
+    ]
+    try:
+        outs = [p.communicate(timeout=timeout)[0] for p in procs]
+    finally:
+        for p in procs:
+            p.kill()
+    return [(p.returncode, out) for p, out in zip(procs, outs)]
 
 
 def shutdown_pools() -> None:

@@ -13,43 +13,22 @@ With ``torch.distributed.all_reduce`` instead of ``comm.all_reduce`` rank 0 abor
 """
 
 import os
-import socket
-import subprocess
 import sys
 import time
 
 import torch
 import torch.distributed as dist
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from tests.harness import run_script_ranks
+
 LATE_S = 0.5  # rank 1 joins the all-reduce this late
 HOLD_S = 1.5  # rank 0 holds the GIL this long: the all-reduce completes meanwhile
 
 
 def test_a_rank_whose_gloo_thread_holds_the_last_reference_exits_cleanly() -> None:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = str(s.getsockname()[1])
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=ROOT, GLOO_SOCKET_IFNAME="lo",
-               WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=port)  # fmt: skip
-    procs = [
-        subprocess.Popen(
-            [sys.executable, os.path.join("tests", "test_exit.py")],
-            cwd=ROOT,
-            env=dict(env, RANK=str(rank)),
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-        )
-        for rank in range(2)
-    ]
-    try:
-        outs = [p.communicate(timeout=120)[0] for p in procs]
-    finally:
-        for p in procs:
-            p.kill()
-    for rank, (p, out) in enumerate(zip(procs, outs)):
-        assert p.returncode == 0, f"rank {rank} exited with {p.returncode}:\n{out[-2000:]}"
+    results = run_script_ranks(os.path.join("tests", "test_exit.py"), 2)
+    for rank, (code, out) in enumerate(results):
+        assert code == 0, f"rank {rank} exited with {code}:\n{out[-2000:]}"
         assert "terminate called" not in out, out[-2000:]
 
 

@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from tests.harness import run_distributed
+from tests.harness import run_distributed, run_script_ranks
 
 WARN_AFTER_S, TIMEOUT_S, LATE_S = 0.3, 2.0, 0.5
 
@@ -107,3 +107,33 @@ def _worker(rank: int, world_size: int) -> List[str]:
 
 def test_a_rank_alone_in_a_gathering_state_dict_waits_warns_and_raises() -> None:
     assert run_distributed(_worker, 2) == [["FSDP", "Zero3", "save_checkpoint"]] * 2
+
+
+def test_a_rank_alone_in_state_dict_raises_at_once_when_the_others_have_exited() -> None:
+    """The habit at the end of a script: rank 1 ends (after destroy_process_group), rank 0 calls
+    FSDP's ``state_dict()`` alone. It raises naming rank 1 instead of waiting out gloo's 30
+    minutes (the call's own timeout here is 120 s)."""
+    results = run_script_ranks(os.path.join("tests", "test_state_dict_arrival.py"), 2)
+    (code, out), (other_code, other_out) = results
+    assert other_code == 0, other_out[-2000:]
+    assert code == 0 and "raised: rank 0 waits in FSDP.state_dict()" in out, out[-2000:]
+    assert "rank(s) [1] exited without calling it" in out, out[-2000:]
+
+
+def _script_main() -> None:
+    from tiny_fsdp import core
+
+    dist.init_process_group("gloo")
+    model = core.FSDP(_model())
+    model(torch.randn(2, 4)).sum().backward()
+    if dist.get_rank() == 1:
+        dist.destroy_process_group()
+        return
+    try:
+        torch.save(model.state_dict(), os.devnull)
+    except RuntimeError as error:
+        print(f"raised: {error}")
+
+
+if __name__ == "__main__":
+    _script_main()

@@ -56,7 +56,7 @@ from tiny_fsdp.core.precision import (
     low_precision_error,
     register_input_cast,
 )
-from tiny_fsdp.core.utils.arrival import every_rank_arrives
+from tiny_fsdp.core.utils.arrival import announce_exit, every_rank_arrives
 from tiny_fsdp.core.utils.dist import check_backend_device, require_process_group
 from tiny_fsdp.core.utils.recompute import gradient_checkpointing, set_gradient_checkpointing
 from tiny_fsdp.core.wrap_checks import (
@@ -117,6 +117,7 @@ class DataParallelWrapper(nn.Module):
         require_process_group(type(self).__name__)
         super().__init__()
         foreign_optimizers.install()
+        announce_exit()  # [Note: arrival check]
         if mixed_precision is not None and not isinstance(mixed_precision, MixedPrecisionPolicy):
             raise TypeError(
                 f"mixed_precision must be a MixedPrecisionPolicy or None, got {mixed_precision!r}"

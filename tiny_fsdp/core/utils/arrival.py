@@ -18,13 +18,21 @@ and the fix), and raises once the default group's collective timeout has passed,
 collective would have, with the reason in the message. Ranks that are merely slower (one writes
 a file the others do not) arrive a little later and nothing is said.
 
+The habit's usual place is the end of the script, where the other ranks exit instead of waiting:
+rank 0 would wait the whole timeout (30 minutes on gloo) for ranks that are gone. So every process
+that wraps a model announces its exit in the store (``announce_exit``: an ``atexit`` handler
+holding the store, which outlives ``destroy_process_group``), and a waiting rank that sees a
+rank leave raises at once, naming it.
+
 Cost: one store round trip per call and rank (no tensor, no collective); training forwards,
 which every rank runs, are not checked.
 """
 
+import atexit
 import time
 import warnings
 from collections import Counter
+from typing import Any, List
 
 import torch.distributed as dist
 
@@ -36,6 +44,25 @@ _MAX_PAUSE_S = 0.05  # between two looks at the store
 _DEFAULT_TIMEOUT_S = 1800.0  # torch's default for gloo, when the group does not say
 
 _calls: Counter = Counter()  # call name -> how many times this process made it
+_EXITED = "tiny_fsdp/exited"  # "<rank>," for each process that has exited
+_announcing: List[bool] = []  # the exit handler is registered (once per process)
+
+
+def announce_exit() -> None:
+    """Have this process tell the others, through the store, when it exits (once per process;
+    [Note: arrival check])."""
+    if _announcing or not dist.is_initialized() or dist.get_world_size() == 1:
+        return
+    store, rank = dist.distributed_c10d._get_default_store(), dist.get_rank()
+    atexit.register(_exiting, store, rank)
+    _announcing.append(True)
+
+
+def _exiting(store: Any, rank: int) -> None:
+    try:
+        store.append(_EXITED, f"{rank},")  # one message, no reply awaited
+    except Exception:  # noqa: BLE001 - the store's server may be gone already; nothing to tell
+        pass
 
 
 def every_rank_arrives(what: str, fix: str) -> None:
@@ -61,6 +88,12 @@ def every_rank_arrives(what: str, fix: str) -> None:
         time.sleep(pause)
         pause = min(2 * pause, _MAX_PAUSE_S)
         waited = time.monotonic() - start
+        if store.check([_EXITED]):
+            gone = sorted(int(r) for r in store.get(_EXITED).decode().split(",") if r)
+            raise RuntimeError(
+                f"rank {dist.get_rank()} waits in {what}, which every rank must call, but "
+                f"rank(s) {gone} exited without calling it. {fix}"
+            )
         if waited < timeout_s and (warned or waited < WARN_AFTER_S):
             continue
         message = (
