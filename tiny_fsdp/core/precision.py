@@ -7,7 +7,8 @@ A ``MixedPrecisionPolicy(param_dtype, reduce_dtype)`` given to a strategy wrappe
   (fp32): they are the master weights, and the optimizer state built from them is fp32 too;
 - ``fetch`` hands the layer its parameters cast to ``param_dtype``, so the layer math (never
   rewritten) runs in ``param_dtype``; floating-point model inputs are cast to ``param_dtype`` by
-  the wrapper, so activations and their gradients are ``param_dtype`` as well;
+  the wrapper (unless ``cast_forward_inputs=False``), so activations and their gradients are
+  ``param_dtype`` as well, and its floating outputs to ``output_dtype`` if given;
 - gradients come out of the layer in ``param_dtype``, are reduced across ranks in
   ``reduce_dtype`` and autograd accumulates the result into the fp32 ``local_param.grad``
   (autograd casts a gradient to its leaf's dtype), so tied weights and ``no_sync`` accumulation
@@ -35,9 +36,10 @@ from torch import nn
 
 from tiny_fsdp.core.module.base import CallbackModule
 from tiny_fsdp.core.module.handler import ParamHandler, Params, TrainingPhase
+from tiny_fsdp.core.utils.tree import map_tensors
 
 _LOW_PRECISION = (torch.float16, torch.bfloat16)
-_INPUT_HOOK_ATTR = "_tiny_fsdp_mp_input_hook"
+_CAST_HOOKS_ATTR = "_tiny_fsdp_mp_cast_hooks"
 
 
 @dataclass(frozen=True)
@@ -49,18 +51,26 @@ class MixedPrecisionPolicy:
             (before the all-gather / broadcast in sharded strategies); floating inputs too.
         reduce_dtype: dtype in which gradients are averaged across ranks. ``None`` (default)
             means ``param_dtype``. fp32 trades bandwidth for a more exact average.
+        output_dtype: floating-point tensors the wrapped model returns are cast to it (FSDP2's
+            field: e.g. fp32 logits for the loss); ``None`` (default) leaves them as computed.
+        cast_forward_inputs: cast the floating-point tensors the model is called with to
+            ``param_dtype`` (True, default; FSDP2's field), or leave them to the model.
 
     Master weights, ``.grad`` and optimizer state always stay in the parameters' own dtype.
     """
 
     param_dtype: torch.dtype = torch.bfloat16
     reduce_dtype: Optional[torch.dtype] = None
+    output_dtype: Optional[torch.dtype] = None
+    cast_forward_inputs: bool = True
 
     def __post_init__(self) -> None:
         if self.reduce_dtype is None:
             object.__setattr__(self, "reduce_dtype", self.param_dtype)  # frozen: set once here
-        for field_name in ("param_dtype", "reduce_dtype"):
+        for field_name in ("param_dtype", "reduce_dtype", "output_dtype"):
             value = getattr(self, field_name)
+            if field_name == "output_dtype" and value is None:
+                continue
             if not isinstance(value, torch.dtype) or not value.is_floating_point:
                 raise ValueError(
                     f"MixedPrecisionPolicy.{field_name} must be a floating-point torch.dtype "
@@ -143,23 +153,30 @@ def apply_mixed_precision(model: nn.Module, policy: MixedPrecisionPolicy) -> nn.
             )
         layer.param_handler = handler
     check_master_dtypes(model, policy)
-    register_input_cast(model, policy)
+    register_forward_casts(model, policy)
     return model
 
 
-def register_input_cast(model: nn.Module, policy: Optional[MixedPrecisionPolicy]) -> None:
-    """Make ``model`` cast its floating inputs to ``policy.param_dtype`` (None: remove it)."""
-    previous = getattr(model, _INPUT_HOOK_ATTR, None)
-    if previous is not None:
-        previous.remove()
-        delattr(model, _INPUT_HOOK_ATTR)
-    if policy is None:
-        return
+def register_forward_casts(model: nn.Module, policy: Optional[MixedPrecisionPolicy]) -> None:
+    """Make ``model`` cast its floating inputs to ``policy.param_dtype`` and its floating
+    outputs to ``policy.output_dtype``, where the policy asks (None: remove the casts)."""
+    for handle in getattr(model, _CAST_HOOKS_ATTR, ()):
+        handle.remove()
+    handles = []
+    if policy is not None and policy.cast_forward_inputs:
 
-    def cast_hook(module: nn.Module, args: tuple, kwargs: dict) -> Tuple[tuple, dict]:
-        return cast_inputs(args, kwargs, policy.param_dtype)
+        def cast_in(module: nn.Module, args: tuple, kwargs: dict) -> Tuple[tuple, dict]:
+            return cast_inputs(args, kwargs, policy.param_dtype)
 
-    setattr(model, _INPUT_HOOK_ATTR, model.register_forward_pre_hook(cast_hook, with_kwargs=True))
+        handles.append(model.register_forward_pre_hook(cast_in, with_kwargs=True))
+    if policy is not None and policy.output_dtype is not None:
+        dtype = policy.output_dtype
+
+        def cast_out(module: nn.Module, args: tuple, output: Any) -> Any:
+            return map_tensors(output, lambda t: t.to(dtype) if t.is_floating_point() else t)
+
+        handles.append(model.register_forward_hook(cast_out))
+    setattr(model, _CAST_HOOKS_ATTR, handles)
 
 
 def check_master_dtypes(model: nn.Module, policy: Optional[MixedPrecisionPolicy]) -> None:

@@ -54,7 +54,7 @@ from tiny_fsdp.core.precision import (
     MixedPrecisionPolicy,
     check_master_dtypes,
     low_precision_error,
-    register_input_cast,
+    register_forward_casts,
 )
 from tiny_fsdp.core.utils.arrival import announce_exit, every_rank_arrives
 from tiny_fsdp.core.utils.dist import check_backend_device, require_process_group
@@ -128,7 +128,7 @@ class DataParallelWrapper(nn.Module):
         self._check_and_claim()
         check_master_dtypes(self.module, mixed_precision)
         self.mixed_precision = mixed_precision
-        register_input_cast(self.module, mixed_precision)  # hooks the inner model: every forward
+        register_forward_casts(self.module, mixed_precision)  # hooks the inner model
         self.require_backward_grad_sync = True
         self.enable_async_communication = enable_async_communication
         self._local_state_dicts = 0  # > 0 while local_state_dict() runs

@@ -1,6 +1,8 @@
-"""The tensors inside what modules take and return: tuples (named ones too), lists and dicts."""
+"""The tensors inside what modules take and return: tuples (named ones too), lists, dicts and
+dataclasses."""
 
 import copy
+import dataclasses
 from typing import Any, Callable
 
 import torch
@@ -20,4 +22,7 @@ def map_tensors(value: Any, fn: Callable[[torch.Tensor], Any]) -> Any:
         for key, item in value.items():
             mapped[key] = map_tensors(item, fn)
         return mapped
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        fields = [f.name for f in dataclasses.fields(value) if f.init]
+        return dataclasses.replace(value, **{n: map_tensors(getattr(value, n), fn) for n in fields})
     return value
