@@ -8,6 +8,7 @@ run with one active rank.
 """
 
 import contextlib
+import functools
 from typing import Any, Callable, Dict, List
 
 import pytest
@@ -33,8 +34,12 @@ def _model() -> nn.Module:
     return nn.Sequential(nn.Linear(7, 13), nn.BatchNorm1d(13), nn.Tanh(), nn.Linear(13, 5))
 
 
-def _train(model: nn.Module, join: Callable[[], Any], rank: int, accumulate: bool) -> None:
-    """``2 + rank`` iterations; with ``accumulate`` every other one under ``no_sync()``."""
+def _train(
+    model: nn.Module, join: Callable[[], Any], rank: int, accumulate: bool
+) -> Dict[str, torch.Tensor]:
+    """``2 + rank`` iterations; with ``accumulate`` every other one under ``no_sync()`` (rank
+    1's last one too: its replica would skip the next buffer broadcast); then one step of every
+    rank together, after the join. Returns the model as the join left it."""
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     with join():
         for step in range(2 + rank):
@@ -45,6 +50,12 @@ def _train(model: nn.Module, join: Callable[[], Any], rank: int, accumulate: boo
             if not local:
                 optimizer.step()
                 optimizer.zero_grad()
+    after_join = {k: v.clone() for k, v in model.module.state_dict().items()}
+    optimizer.zero_grad()
+    x = torch.randn(4, 7, generator=torch.Generator().manual_seed(rank))
+    model(x).square().mean().backward()
+    optimizer.step()  # a joined rank's momentum is stale, as under torch's DDP: replicas differ
+    return after_join
 
 
 CASES: Dict[str, Dict[str, Any]] = {
@@ -64,13 +75,14 @@ def _worker(rank: int, world_size: int) -> Dict[str, Dict[str, torch.Tensor]]:
             model = wrap(_model())
             if "hook" in spec:
                 model.register_comm_hook(None, spec["hook"])
-            _train(model, lambda: model.join(**kwargs), rank, spec.get("accumulate", False))
+            join = functools.partial(model.join, **kwargs)
+            after_join = _train(model, join, rank, spec.get("accumulate", False))
             states.append(model.module.state_dict())
         for key, expected in states[0].items():
             gap = (states[1][key].double() - expected.double()).abs().max().item()
             tol = FP16_ATOL if "hook" in spec else ATOL
             assert gap <= tol, f"{case}: {key} differs from torch's DDP by {gap:.2e}"
-        results[case] = states[1]
+        results[case] = after_join  # ours
     return results
 
 
@@ -125,8 +137,8 @@ def _mixed_precision_worker(rank: int, world_size: int) -> Dict[str, torch.Tenso
     torch.manual_seed(0)  # no BatchNorm: on the CPU its fp32 statistics refuse bf16 inputs
     plain = nn.Sequential(nn.Linear(7, 13), nn.LayerNorm(13), nn.Tanh(), nn.Linear(13, 5))
     model = DDP(plain, mixed_precision=MixedPrecisionPolicy(torch.bfloat16))
-    _train(model, model.join, rank, accumulate=False)
-    return {k: v for k, v in model.state_dict().items() if v.is_floating_point()}
+    after_join = _train(model, model.join, rank, accumulate=False)
+    return {k: v for k, v in after_join.items() if v.is_floating_point()}
 
 
 def test_mixed_precision_replicas_agree_after_join() -> None:

@@ -178,10 +178,13 @@ class DDP(ReplicatedWrapper, Joinable):
         self._backward.reduce_without_gradients()
 
     def sync_module_states(self, src: int) -> None:
-        """Give every rank rank ``src``'s parameters and buffers."""
+        """Give every rank rank ``src``'s parameters and buffers; the next forward broadcasts
+        the buffers on every rank alike (ranks that joined at different iterations saw other
+        forwards last)."""
         if self._cast is not None:
             self._cast.to_master()
         _broadcast_module_states(self.module, src)
+        self._sync_buffers_before_forward = True
 
     def _build_buckets(self) -> None:
         """Buckets and backward engine over the trainable parameters and those that had a
