@@ -23,6 +23,7 @@ does not know steps with a warning saying so.
 from __future__ import annotations
 
 import inspect
+import sys
 import warnings
 from typing import Any, Dict, Type
 
@@ -51,6 +52,14 @@ def rule_kind(cls: type) -> str:
     if name in PER_TENSOR:
         return "per_tensor"
     return "across_tensors" if name in ACROSS_TENSORS else "unknown"
+
+
+def _user_stacklevel() -> int:
+    """``warnings.warn``'s stacklevel, called here, of the first caller outside tiny_fsdp."""
+    frame, level = sys._getframe(2), 2  # 1: the function that warns
+    while frame is not None and frame.f_globals.get("__name__", "").startswith("tiny_fsdp."):
+        frame, level = frame.f_back, level + 1
+    return level
 
 
 def rule_name(cls: type) -> str:
@@ -88,7 +97,7 @@ class TorchRule(BaseOptimizer):
                 "if its update works element by element, wrong if it reads a whole tensor "
                 "(a norm, row or column statistics) or several ([Note: torch.optim rules on "
                 "pieces]).",
-                stacklevel=3,
+                stacklevel=_user_stacklevel(),
             )
         self.optimizer_class = optimizer_class
         self._arguments = set(inspect.signature(optimizer_class).parameters) - {"params"}

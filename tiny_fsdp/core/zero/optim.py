@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Dict, List, Mapping, Optional, Type
 
 import torch
+import torch.distributed as dist
 from torch import Tensor
 
 from tiny_fsdp.core.local_state import StatePiece
@@ -287,7 +288,44 @@ class Zero2SGD(_ZeroOptimizer, SGD):
     wrapper_cls, rule = Zero2, "SGD"
 
 
-class Zero1Optimizer(_ZeroOptimizer, TorchRule):
+class _ZeroTorchRule(_ZeroOptimizer, TorchRule):
+    """A torch.optim class on a ZeRO model, taking ``ZeroRedundancyOptimizer``'s arguments so
+    that its scripts run with only the construction changed."""
+
+    def __init__(
+        self,
+        params: Any,
+        optimizer_class: Type[torch.optim.Optimizer],
+        process_group: Optional[Any] = None,
+        parameters_as_bucket_view: bool = False,
+        overlap_with_ddp: bool = False,
+        **defaults: Any,
+    ) -> None:
+        """``optimizer_class`` with ``defaults``; the other arguments are
+        ``ZeroRedundancyOptimizer``'s: ``process_group`` must hold every rank (None: the
+        default group), as the wrapper shards over every rank; ``parameters_as_bucket_view``
+        is accepted either way (the parameters are always views of the wrapper's flat
+        buffers); ``overlap_with_ddp=True`` (the step inside DDP's backward) is refused."""
+        cls = type(self).__name__
+        if (
+            process_group is not None
+            and dist.get_world_size(process_group) != dist.get_world_size()
+        ):
+            raise ValueError(
+                f"{cls}(process_group=...) with {dist.get_world_size(process_group)} of "
+                f"{dist.get_world_size()} ranks: the {self.wrapper_cls.__name__} wrapper shards "
+                "over every rank; leave process_group out"
+            )
+        if overlap_with_ddp:
+            raise ValueError(
+                f"{cls}(overlap_with_ddp=True) is not supported: the step runs after backward, "
+                f"whose gradient reductions the {self.wrapper_cls.__name__} wrapper already "
+                "overlaps with compute; leave it out"
+            )
+        super().__init__(params, optimizer_class, **defaults)
+
+
+class Zero1Optimizer(_ZeroTorchRule):
     """``optimizer_class`` (an element-wise torch.optim class, e.g. ``torch.optim.Adam``) with
     its keyword arguments, for a ``Zero1`` model, as ``ZeroRedundancyOptimizer``'s
     ``optimizer_class``: state and fp32 master sharded ([Note: torch.optim rules on pieces])."""
@@ -295,7 +333,7 @@ class Zero1Optimizer(_ZeroOptimizer, TorchRule):
     wrapper_cls = Zero1
 
 
-class Zero2Optimizer(_ZeroOptimizer, TorchRule):
+class Zero2Optimizer(_ZeroTorchRule):
     """``optimizer_class`` with its keyword arguments for a ``Zero2`` model (see
     ``Zero1Optimizer``): state, gradients and fp32 master sharded."""
 
