@@ -137,13 +137,13 @@ class Adapter:
                 piece = self._piece(param, saving)
                 if piece is not None:
                     pieces.append(StatePiece(param, piece.start, piece.local))
+        # Another library's optimizer shapes its state like the parameter (FSDP: the padded
+        # shard); tiny_fsdp's like the slice it updates.
+        foreign = not getattr(self.optimizer, "takes_strategy_params", False)
         out = []
         for sp in pieces:
             s = self._slice(self.name_of(sp.param), sp.param, LocalPiece(sp.start, sp.local))
             key = sp.param if state_pieces is None else sp.local
-            # Another library's optimizer shapes its state like the parameter (FSDP: the
-            # padded shard); tiny_fsdp's like the slice it updates.
-            foreign = not getattr(self.optimizer, "takes_strategy_params", False)
             holder = sp.param if state_pieces is None and foreign else None
             out.append(
                 StateSlice(

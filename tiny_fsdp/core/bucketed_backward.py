@@ -159,10 +159,7 @@ class BucketedBackward:
             owner = self._owner()
             if owner is None:
                 return
-            sync = owner.require_backward_grad_sync
-            self.store.begin(sync)
-            self._active, self._sync = True, sync
-            self._async = owner.enable_async_communication
+            self._begin(owner.require_backward_grad_sync, owner.enable_async_communication)
             if not self._outer_end_queued:  # a backward not through the wrapper's output
                 torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
         with torch.no_grad():
@@ -181,9 +178,13 @@ class BucketedBackward:
         launch order, with zeros; afterwards ``.grad`` holds what the other ranks reduced."""
         for param in self.store.params:
             param.grad = None  # a rank without data contributes nothing
-        self.store.begin(True)
-        self._active, self._sync, self._async = True, True, False
+        self._begin(sync=True, async_op=False)
         self._end_of_backward()
+
+    def _begin(self, sync: bool, async_op: bool) -> None:
+        """A backward starts: ``store.begin`` (which may refuse) and its settings."""
+        self.store.begin(sync)
+        self._active, self._sync, self._async = True, sync, async_op
 
     def _densify(self, index: int, param: nn.Parameter) -> None:
         """A sparse ``.grad`` the store does not take sparse is made dense ([Note: sparse

@@ -170,9 +170,6 @@ class DDP(ReplicatedWrapper, Joinable):
         """Divide the gradients of the coming backwards by ``divisor`` ([Note: DDP join])."""
         self._backward.store.set_divisor(divisor)
 
-    def broadcast_buffers_from(self, src: int) -> None:
-        broadcast_module_buffers(self.module, src=src)
-
     def reduce_without_gradients(self) -> None:
         """The collectives of a synchronised backward, contributing no gradient."""
         self._backward.reduce_without_gradients()

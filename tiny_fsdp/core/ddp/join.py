@@ -37,6 +37,7 @@ import torch.distributed as dist
 from torch.distributed.algorithms.join import Join, JoinHook
 
 from tiny_fsdp.core import comm
+from tiny_fsdp.core.replicated import broadcast_module_buffers
 
 if TYPE_CHECKING:
     from tiny_fsdp.core.ddp.ddp import DDP
@@ -88,7 +89,7 @@ class DDPJoinHook(JoinHook):
         ddp = self.ddp
         (synchronises, broadcast), active = agree(ddp.join_device, False, False, False)
         if broadcast:
-            ddp.broadcast_buffers_from(active[-1])
+            broadcast_module_buffers(ddp.module, src=active[-1])
         if synchronises:
             ddp.reduce_without_gradients()
 

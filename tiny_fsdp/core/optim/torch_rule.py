@@ -54,19 +54,19 @@ def rule_kind(cls: type) -> str:
     return "across_tensors" if name in ACROSS_TENSORS else "unknown"
 
 
+def rule_name(cls: type) -> str:
+    """``torch.optim.Adam`` for torch's classes, else the class's module and name."""
+    if cls.__module__.startswith("torch.optim"):
+        return f"torch.optim.{cls.__name__}"
+    return f"{cls.__module__}.{cls.__qualname__}"
+
+
 def _user_stacklevel() -> int:
     """``warnings.warn``'s stacklevel, called here, of the first caller outside tiny_fsdp."""
     frame, level = sys._getframe(2), 2  # 1: the function that warns
     while frame is not None and frame.f_globals.get("__name__", "").startswith("tiny_fsdp."):
         frame, level = frame.f_back, level + 1
     return level
-
-
-def rule_name(cls: type) -> str:
-    """``torch.optim.Adam`` for torch's classes, else the class's module and name."""
-    if cls.__module__.startswith("torch.optim"):
-        return f"torch.optim.{cls.__name__}"
-    return f"{cls.__module__}.{cls.__qualname__}"
 
 
 class TorchRule(BaseOptimizer):
