@@ -256,12 +256,12 @@ def _check_bf16(rank: int, world_size: int) -> None:
         got = train(strategy, rank, world_size, steps=4, policy=BF16)
         assert_close_run(got, reference, BF16_LOSS_ATOL, BF16_PARAM_ATOL, f"{strategy} bf16")
         # fp32 masters and optimizer state: the module's own tensors (FSDP / ZeRO-3 / DDP) or,
-        # for ZeRO-1/2 whose stored parameters are bf16, the optimizer's master shard.
+        # for ZeRO-1/2 whose stored parameters are bf16, the masters keying the optimizer state.
         optimizer = got["optimizer"]
         masters = [p for g in optimizer.param_groups for p in g["params"]]
         if strategy in ("zero1", "zero2"):
             assert {p.dtype for p in masters} == {torch.bfloat16}, strategy
-            masters = [optimizer._master_shard]
+            masters = list(optimizer.state)
         assert {p.dtype for p in masters} == {torch.float32}, strategy
         state = [v for st in optimizer.state.values() for v in st.values() if v.dim() > 0]
         assert state and {v.dtype for v in state} == {torch.float32}, strategy

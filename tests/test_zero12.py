@@ -467,10 +467,10 @@ def _frozen_tied_worker(rank: int, world_size: int) -> None:
         trainable = [p for p in named.values() if p.requires_grad]
         assert len(model.layout.slots) == len(trainable) == len(named) - len(FROZEN)
         assert model.layout.numel - model.layout.padding() == sum(p.numel() for p in trainable)
-        buffer = model.param_buffer.data
-        lo, hi = buffer.data_ptr(), buffer.data_ptr() + buffer.numel() * buffer.element_size()
+        spans = [(t.data_ptr(), t.data_ptr() + t.nbytes) for t in model.param_buffer.tensors]
         for name, p in named.items():
-            assert (lo <= p.data_ptr() < hi) == (name not in FROZEN), name
+            in_buffer = any(lo <= p.data_ptr() < hi for lo, hi in spans)
+            assert in_buffer == (name not in FROZEN), name
         frozen_before = {n: named[n].detach().clone() for n in FROZEN}
         for step in range(4):
             x, y = _xy(step, 2 * world_size)
@@ -599,12 +599,6 @@ def _errors_worker(rank: int, world_size: int) -> None:
     dist.broadcast_object_list(sgd_state, src=0)
     with pytest.raises(ValueError, match="cannot load the state of a SGD optimizer"):
         optimizer.load_state_dict(sgd_state[0])
-    with pytest.raises(ValueError, match="one dtype"):
-        Zero2(
-            make_model(0)
-            .to(torch.bfloat16)
-            .apply(lambda m: m.float() if isinstance(m, nn.LayerNorm) else m)
-        )
     x, y = (local_slice(t, rank, world_size) for t in _xy(0, 2 * world_size))
     lm_loss(model(x), y).backward()
     with pytest.raises(RuntimeError, match=r"already reduced\. A backward adds onto them"):
@@ -633,7 +627,7 @@ def test_a_bucket_of_one_unpadded_parameter_stages_in_its_gradient() -> None:
     params = [small_a, small_b, padded, whole]  # buckets (cap 3): [a, b], [padded], [whole]
     layout = FlatLayout([p.shape for p in params], world_size=2, bucket_cap_numel=3)
     assert [b.slots for b in layout.buckets] == [(0, 1), (2,), (3,)]
-    store = StagedGradShard(params, layout, torch.float32, torch.device("cpu"), 0)
+    store = StagedGradShard(params, layout, [torch.float32], torch.device("cpu"), 0)
     for p in params:
         p.grad = torch.ones_like(p)
     grad = whole.grad

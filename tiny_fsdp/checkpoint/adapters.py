@@ -274,13 +274,25 @@ def import_pieces(adapter: Adapter, reader: CheckpointReader) -> None:
                 if s.master is not None:
                     reader.read_into(tid, s.start, s.stop, s.master)
                 continue
-            value = torch.zeros(s.state_shape, dtype=reader.dtype(tid), device=s.local.device)
+            value = torch.zeros(
+                s.state_shape, dtype=_state_dtype(reader.dtype(tid), s), device=s.local.device
+            )
             reader.read_into(tid, s.start, s.stop, value.view(-1)[: s.stop - s.start])
             state[key] = value
         s.set(state)
     saved = reader.optional("param_groups")
     if saved is not None:
         import_param_groups(adapter, saved)
+
+
+def _state_dtype(saved: torch.dtype, s: StateSlice) -> torch.dtype:
+    """A floating state tensor takes the dtype of what the optimizer steps (``s.key``: the
+    parameter, or its master), as ``torch.optim.Optimizer.load_state_dict`` casts it: a state
+    saved beside fp32 masters (ZeRO-1/2 with bf16 parameters) loads into an optimizer stepping
+    the bf16 parameters themselves, and back."""
+    if saved.is_floating_point and s.key is not None and s.key.is_floating_point():
+        return s.key.dtype
+    return saved
 
 
 def import_param_groups(adapter: Adapter, saved: List[Dict[str, Any]]) -> None:

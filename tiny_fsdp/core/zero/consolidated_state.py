@@ -17,7 +17,7 @@ import torch
 from torch import Tensor
 
 from tiny_fsdp.core import comm
-from tiny_fsdp.core.zero.flat_buffer import gather_bucket, shard_chunk, shard_piece
+from tiny_fsdp.core.zero.flat_buffer import ShardBuffer, gather_bucket
 from tiny_fsdp.core.zero.zero import ZeroWrapper
 
 if TYPE_CHECKING:
@@ -35,10 +35,11 @@ def consolidate(
     state: PieceState,
     param_groups: List[Dict[str, Any]],
     rule: str,
-    master_dtype: torch.dtype,
+    master_dtypes: Sequence[torch.dtype],
     to: int,
 ) -> Optional[Dict[str, Any]]:
-    """The consolidated state on rank ``to``, None elsewhere (call on every rank)."""
+    """The consolidated state on rank ``to``, None elsewhere (call on every rank);
+    ``master_dtypes[g]``: the masters' (and state's) dtype of the layout's group g."""
     # Each parameter's state keys (None: a sharded tensor) and 0-d values (``step``), from
     # every rank that owns a piece of it; metadata, so not through the counted collectives.
     meta: Dict[int, Dict[str, Any]] = {}
@@ -50,7 +51,7 @@ def consolidate(
             merged[i].update(entry)
     keys = ["master", *sorted({k for e in merged.values() for k, v in e.items() if v is None})]
     keep = wrapper.rank == to
-    full = {key: _gather_flat(wrapper, key, pieces, state, master_dtype, keep) for key in keys}
+    full = {key: _gather_buckets(wrapper, key, pieces, state, master_dtypes, keep) for key in keys}
     if not keep:
         return None
     out: Dict[int, Dict[str, Any]] = {}
@@ -61,9 +62,10 @@ def consolidate(
             layout_index = wrapper.index_of(p)
             if layout_index is not None:  # else frozen at wrap time: no state
                 slot = wrapper.layout.slots[layout_index]
+                lo = slot.start - wrapper.layout.buckets[slot.bucket].start
                 entry = merged[index]
                 out[index] = {
-                    k: full[k][slot.start : slot.start + slot.numel].view(slot.shape).clone()
+                    k: full[k][slot.bucket][lo : lo + slot.numel].view(slot.shape).clone()
                     for k in keys
                     if k == "master" or (k in entry and entry[k] is None)
                 }
@@ -75,30 +77,31 @@ def consolidate(
     return {"format": FORMAT, "optimizer": rule, "state": out, "param_groups": groups}
 
 
-def _gather_flat(
+def _gather_buckets(
     wrapper: ZeroWrapper,
     key: str,
     pieces: Sequence["OwnedPiece"],
     state: PieceState,
-    dtype: torch.dtype,
+    dtypes: Sequence[torch.dtype],
     keep: bool,
-) -> Optional[Tensor]:
-    """State ``key`` of every rank's pieces in the flat layout (``layout.numel``,), on the
-    CPU where ``keep``: each rank fills its shard, then one all-gather per bucket."""
+) -> List[Tensor]:
+    """State ``key`` of every rank's pieces, one full tensor (bucket numel,) per bucket of the
+    layout, on the CPU where ``keep`` (else empty): each rank fills its chunks, then one
+    all-gather per bucket."""
     layout = wrapper.layout
-    device = wrapper.param_buffer.data.device
-    shard = torch.zeros(layout.shard_numel, dtype=dtype, device=device)
+    device = wrapper.param_buffer.bucket(0).device
+    shard = ShardBuffer(layout, dtypes, device)
     for op in pieces:
         value = op.master if key == "master" else state[op.master].get(key)
         if value is not None:
-            shard_piece(shard, op.piece).copy_(value)
-    flat = torch.empty(layout.numel, dtype=shard.dtype, device=device)
+            shard.piece(op.piece).copy_(value)
+    out = []
     for b, bucket in enumerate(layout.buckets):
-        lo, _ = layout.chunk_range(b, wrapper.rank)
-        flat[lo : lo + bucket.chunk].copy_(shard_chunk(shard, layout, b))
-        bucket_view = flat[bucket.start : bucket.start + bucket.numel]
-        gather_bucket(bucket_view, wrapper.rank, layout.world_size, async_op=False)
-    return flat.cpu() if keep else None
+        full = torch.empty(bucket.numel, dtype=dtypes[bucket.group], device=device)
+        full[wrapper.rank * bucket.chunk : (wrapper.rank + 1) * bucket.chunk].copy_(shard.chunk(b))
+        gather_bucket(full, wrapper.rank, layout.world_size, async_op=False)
+        out.append(full.cpu() if keep else full[:0])
+    return out
 
 
 @torch.no_grad()

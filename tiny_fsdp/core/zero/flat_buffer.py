@@ -23,6 +23,18 @@ A parameter lies in one bucket and a chunk is contiguous, so a parameter meets a
 at most one contiguous *piece*; a piece is what the optimizer updates (elementwise rule, so the
 per-piece update equals the whole-tensor update restricted to the piece).
 
+[Note: ZeRO buckets by dtype]
+A model may hold parameters of several dtypes (a bf16 model that keeps its norms in fp32, as
+``transformers`` does for ``_keep_in_fp32_modules``); torch's DDP and ZeroRedundancyOptimizer
+take it. A collective and a view need one dtype, so each parameter has a *group* (its stored
+dtype) and a bucket holds one group: every group fills its own open bucket in backward order,
+and the buckets are ordered by the parameter that completes them, so that reducing them strictly
+in order still launches each as soon as its last gradient arrives. The storage is one tensor
+per bucket (``FlatBuffer``) and one chunk tensor per bucket (``ShardBuffer``), each of its
+group's dtype; the flat offsets above stay one index space, so the layout, the pieces and the
+consolidated state do not depend on the dtypes. With one dtype the buckets are those of a
+single pass, filled and closed one after another.
+
 [Note: ZeRO collectives on gloo]
 ZeRO's collectives are a reduce-scatter of each gradient bucket and an all-gather of each
 parameter bucket; NCCL runs exactly those. gloo (CPU) implements both far below its all-reduce
@@ -34,7 +46,7 @@ its owner (same traffic and ledger payload as the all-gather). What each rank ho
 """
 
 from dataclasses import dataclass
-from typing import Any, List, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
@@ -62,6 +74,7 @@ class Bucket:
     chunk: int
     shard_start: int
     slots: Tuple[int, ...]
+    group: int = 0
 
 
 @dataclass(frozen=True)
@@ -81,6 +94,9 @@ class Piece:
 class FlatLayout:
     """The layout of [Note: ZeRO flat layout] for parameters of the given ``shapes`` (in order).
 
+    ``groups[i]``: parameter i's group (its stored dtype; None: one group 0); a bucket holds
+    one group ([Note: ZeRO buckets by dtype]).
+
     Attributes:
         slots: one ``Slot`` per parameter, in the given order.
         buckets: the buckets in flat order (which is also the reduce-scatter launch order).
@@ -89,32 +105,41 @@ class FlatLayout:
     """
 
     def __init__(
-        self, shapes: Sequence[torch.Size], world_size: int, bucket_cap_numel: int
+        self,
+        shapes: Sequence[torch.Size],
+        world_size: int,
+        bucket_cap_numel: int,
+        groups: Optional[Sequence[int]] = None,
     ) -> None:
         if world_size < 1 or bucket_cap_numel < 1:
             raise ValueError(f"bad world_size {world_size} or bucket cap {bucket_cap_numel}")
         self.world_size = world_size
-        groups: List[List[int]] = []
-        filled = 0
+        group_of = [0] * len(shapes) if groups is None else list(groups)
+        closed: List[List[int]] = []
+        open_: Dict[int, List[int]] = {}  # group -> its bucket being filled
+        filled: Dict[int, int] = {}
         for i, shape in enumerate(shapes):
-            n = torch.Size(shape).numel()
-            if not groups or (filled > 0 and filled + n > bucket_cap_numel):
-                groups.append([])
-                filled = 0
-            groups[-1].append(i)
-            filled += n
-        self.slots: List[Slot] = []
+            g, n = group_of[i], torch.Size(shape).numel()
+            if g in open_ and filled[g] > 0 and filled[g] + n > bucket_cap_numel:
+                closed.append(open_.pop(g))
+            if g not in open_:
+                open_[g], filled[g] = [], 0
+            open_[g].append(i)
+            filled[g] += n
+        # Complete when its last parameter's gradient is ready: reduced in that order.
+        closed = sorted([*closed, *open_.values()], key=lambda members: members[-1])
+        self.slots: List[Slot] = [None] * len(shapes)  # type: ignore[list-item]
         self.buckets: List[Bucket] = []
         start = shard_start = 0
-        for b, members in enumerate(groups):
+        for b, members in enumerate(closed):
             offset = start
             for i in members:
                 shape = torch.Size(shapes[i])
-                self.slots.append(Slot(i, b, offset, shape.numel(), shape))
+                self.slots[i] = Slot(i, b, offset, shape.numel(), shape)
                 offset += shape.numel()
             chunk = -(-(offset - start) // world_size)  # ceil: pad the bucket to N * chunk
             self.buckets.append(
-                Bucket(start, chunk * world_size, chunk, shard_start, tuple(members))
+                Bucket(start, chunk * world_size, chunk, shard_start, tuple(members), group_of[i])
             )
             start += chunk * world_size
             shard_start += chunk
@@ -153,44 +178,78 @@ class FlatLayout:
 
 
 class FlatBuffer:
-    """One flat tensor ``data`` (``layout.numel``,) with the views of a ``FlatLayout``.
+    """The full flat buffer of a ``FlatLayout``: one tensor (bucket numel,) per bucket, of
+    ``dtypes[bucket.group]`` ([Note: ZeRO buckets by dtype]), with the layout's views.
 
     Created zero-filled, so the padding is zero and stays zero under sums and copies.
     """
 
-    def __init__(self, layout: FlatLayout, dtype: torch.dtype, device: torch.device) -> None:
+    def __init__(
+        self, layout: FlatLayout, dtypes: Sequence[torch.dtype], device: torch.device
+    ) -> None:
         self.layout = layout
-        self.data = torch.zeros(layout.numel, dtype=dtype, device=device)
+        self.tensors = [
+            torch.zeros(b.numel, dtype=dtypes[b.group], device=device) for b in layout.buckets
+        ]
 
     def view(self, index: int) -> torch.Tensor:
         """Parameter ``index``'s slot, shaped like the parameter."""
         s = self.layout.slots[index]
-        return self.data[s.start : s.start + s.numel].view(s.shape)
+        start = s.start - self.layout.buckets[s.bucket].start
+        return self.tensors[s.bucket][start : start + s.numel].view(s.shape)
 
     def bucket(self, bucket: int) -> torch.Tensor:
         """Bucket ``bucket``, flat: (N * chunk,)."""
-        b = self.layout.buckets[bucket]
-        return self.data[b.start : b.start + b.numel]
+        return self.tensors[bucket]
 
     def chunk(self, bucket: int, rank: int) -> torch.Tensor:
         """``rank``'s chunk of ``bucket``: (chunk,)."""
-        start, stop = self.layout.chunk_range(bucket, rank)
-        return self.data[start:stop]
+        chunk = self.layout.buckets[bucket].chunk
+        return self.tensors[bucket][rank * chunk : (rank + 1) * chunk]
 
     def piece(self, piece: Piece) -> torch.Tensor:
         """The flat elements of ``piece``: (piece.numel,)."""
-        return self.data[piece.start : piece.start + piece.numel]
+        start = piece.start - self.layout.buckets[piece.bucket].start
+        return self.tensors[piece.bucket][start : start + piece.numel]
 
 
-def shard_chunk(shard: torch.Tensor, layout: FlatLayout, bucket: int) -> torch.Tensor:
-    """Bucket ``bucket``'s chunk inside a shard-sized tensor (``layout.shard_numel``,)."""
-    b = layout.buckets[bucket]
-    return shard[b.shard_start : b.shard_start + b.chunk]
+class ShardBuffer:
+    """A rank's shard of a ``FlatLayout``: one tensor (chunk,) per bucket, of
+    ``dtypes[bucket.group]``; a group whose dtype is None gets none (``chunk`` raises)."""
 
+    def __init__(
+        self,
+        layout: FlatLayout,
+        dtypes: Sequence[Optional[torch.dtype]],
+        device: torch.device,
+    ) -> None:
+        self.layout = layout
+        self.dtypes = list(dtypes)
+        self.tensors: List[Optional[torch.Tensor]] = [
+            (
+                None
+                if dtypes[b.group] is None
+                else torch.zeros(b.chunk, dtype=dtypes[b.group], device=device)
+            )
+            for b in layout.buckets
+        ]
 
-def shard_piece(shard: torch.Tensor, piece: Piece) -> torch.Tensor:
-    """``piece``'s elements inside a shard-sized tensor: (piece.numel,)."""
-    return shard[piece.shard_start : piece.shard_start + piece.numel]
+    def has(self, bucket: int) -> bool:
+        return self.tensors[bucket] is not None
+
+    def chunk(self, bucket: int) -> torch.Tensor:
+        """Bucket ``bucket``'s chunk: (chunk,)."""
+        tensor = self.tensors[bucket]
+        assert tensor is not None, f"no shard tensor for bucket {bucket}'s group"
+        return tensor
+
+    def piece(self, piece: Piece) -> torch.Tensor:
+        """``piece``'s elements: (piece.numel,)."""
+        start = piece.shard_start - self.layout.buckets[piece.bucket].shard_start
+        return self.chunk(piece.bucket)[start : start + piece.numel]
+
+    def held(self) -> List[torch.Tensor]:
+        return [t for t in self.tensors if t is not None]
 
 
 class PendingReduce:

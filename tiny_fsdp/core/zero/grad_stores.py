@@ -71,10 +71,9 @@ from tiny_fsdp.core.zero.flat_buffer import (
     FlatLayout,
     PendingReduce,
     Piece,
+    ShardBuffer,
     Slot,
     reduce_bucket,
-    shard_chunk,
-    shard_piece,
 )
 
 #: dtype of the per-parameter "had a gradient" flags all-reduced at the end of a synchronised
@@ -86,7 +85,8 @@ class ZeroGradStore(ABC):
     """What ZeRO-1 and ZeRO-2 share: buckets of ``layout``, reductions, the reduced flag.
 
     Subclasses say where a gradient goes (``keep_local``, ``add``), what a bucket's reduction
-    reads and writes (``_source``, ``_out``) and what ``finish`` frees.
+    reads and writes (``_source``, ``_out``) and what ``finish`` frees. ``dtypes[g]``: the
+    gradients' dtype of the layout's group g ([Note: ZeRO buckets by dtype]).
 
     Attributes:
         stage: the ZeRO stage this store implements (a label: nothing branches on it).
@@ -105,14 +105,14 @@ class ZeroGradStore(ABC):
         self,
         params: Sequence[nn.Parameter],
         layout: FlatLayout,
-        dtype: torch.dtype,
+        dtypes: Sequence[torch.dtype],
         device: torch.device,
         rank: int,
     ) -> None:
         self.params: List[nn.Parameter] = list(params)
         self.layout = layout
         self.bucket_members = [bucket.slots for bucket in layout.buckets]
-        self.dtype, self.device, self.rank = dtype, device, rank
+        self.dtypes, self.device, self.rank = list(dtypes), device, rank
         self.world_size = layout.world_size
         self.reduced = False
         self.without_grad: FrozenSet[int] = frozenset()
@@ -247,7 +247,7 @@ class FullGradBuffer(ZeroGradStore):
 
     def __init__(self, *args: Any) -> None:  # ZeroGradStore's arguments
         super().__init__(*args)
-        self.buffer = FlatBuffer(self.layout, self.dtype, self.device)
+        self.buffer = FlatBuffer(self.layout, self.dtypes, self.device)
 
     def keep_local(self, index: int, param: nn.Parameter) -> None:
         self._into_view(index, param, divide=False)
@@ -275,7 +275,7 @@ class FullGradBuffer(ZeroGradStore):
 
     def held_grads(self) -> List[torch.Tensor]:
         # param.grad are views of the buffer (or None after zero_grad)
-        return [self.buffer.data, *(self._carry or [])]
+        return [*self.buffer.tensors, *(self._carry or [])]
 
     def _source(self, bucket: int) -> torch.Tensor:
         return self.buffer.bucket(bucket)
@@ -292,7 +292,7 @@ class FullGradBuffer(ZeroGradStore):
 
 
 class StagedGradShard(ZeroGradStore):
-    """ZeRO-2: ``shard`` (``layout.shard_numel``,) holds this rank's reduced gradients; full
+    """ZeRO-2: ``shard`` (a ``ShardBuffer``) holds this rank's reduced gradients; full
     gradients pass through one staging buffer (bucket numel,) per bucket being reduced."""
 
     stage = 2
@@ -301,7 +301,7 @@ class StagedGradShard(ZeroGradStore):
 
     def __init__(self, *args: Any) -> None:  # ZeroGradStore's arguments
         super().__init__(*args)
-        self.shard = torch.zeros(self.layout.shard_numel, dtype=self.dtype, device=self.device)
+        self.shard = ShardBuffer(self.layout, self.dtypes, self.device)
         self._staging: List[Optional[torch.Tensor]] = [None] * len(self.layout.buckets)
         self._allocated = [0] * len(self.layout.buckets)  # bytes allocated for a staging buffer
         self.stats = ReduceStats()  # allocated staging buffers (gradients excluded): live, peak
@@ -320,7 +320,7 @@ class StagedGradShard(ZeroGradStore):
             param.grad = None
             return
         if staging is None:
-            staging = torch.empty(bucket.numel, dtype=self.dtype, device=self.device)
+            staging = torch.empty(bucket.numel, dtype=self.dtypes[bucket.group], device=self.device)
             self._allocated[slot.bucket] = staging.numel() * staging.element_size()
             self.stats.track(self._allocated[slot.bucket])
             end = self.layout.slots[bucket.slots[-1]]
@@ -342,7 +342,7 @@ class StagedGradShard(ZeroGradStore):
             and slot.numel == bucket.numel
             and grad.layout == torch.strided
             and grad.is_contiguous()
-            and grad.dtype == self.dtype
+            and grad.dtype == self.dtypes[bucket.group]
             and grad.device == self.device
         )
 
@@ -359,10 +359,10 @@ class StagedGradShard(ZeroGradStore):
         self._allocated = [0] * len(self.layout.buckets)
 
     def reduced_grad(self, piece: Piece) -> torch.Tensor:
-        return shard_piece(self.shard, piece)
+        return self.shard.piece(piece)
 
     def held_grads(self) -> List[torch.Tensor]:
-        return [self.shard, *(self._carry or [])]  # no param.grad points to them
+        return [*self.shard.held(), *(self._carry or [])]  # no param.grad points to them
 
     def _source(self, bucket: int) -> torch.Tensor:
         staging = self._staging[bucket]
@@ -370,7 +370,7 @@ class StagedGradShard(ZeroGradStore):
         return staging
 
     def _out(self, bucket: int) -> torch.Tensor:
-        return shard_chunk(self.shard, self.layout, bucket)
+        return self.shard.chunk(bucket)
 
     def _clear(self, set_to_none: bool, indices: Iterable[int]) -> None:
         # The shard needs no clearing: the next reduction overwrites it.

@@ -3,9 +3,9 @@
 [Note: ZeRO optimizer step]
 At construction the optimizer finds the ``Zero1`` / ``Zero2`` wrapper of its parameters and takes
 this rank's *pieces* ([Note: ZeRO flat layout]). Each piece gets a master tensor of ``numel``
-elements: a view of the parameter buffer when parameters are 32-bit or wider (they ARE the
-master; nothing is duplicated), else an fp32 copy (a view of one contiguous fp32 master shard,
-``shard_numel`` elements), initialised from the parameters. ``step``:
+elements: a view of the parameter buffer when its parameter is 32-bit or wider (it IS the
+master; nothing is duplicated), else an fp32 copy (a view of the fp32 master shard, one chunk
+per bucket of such parameters), initialised from the parameters. ``step``:
 
 1. applies the unchanged update rule (``adamw_update_`` / ``sgd_update_``, or a torch.optim
    class's: [Note: torch.optim rules on pieces]) to every piece's
@@ -33,7 +33,7 @@ from torch import Tensor
 from tiny_fsdp.core.local_state import StatePiece
 from tiny_fsdp.core.optim import SGD, AdamW, TorchRule
 from tiny_fsdp.core.zero.consolidated_state import check_loadable, consolidate, slice_pieces
-from tiny_fsdp.core.zero.flat_buffer import Piece, shard_piece
+from tiny_fsdp.core.zero.flat_buffer import Piece, ShardBuffer
 from tiny_fsdp.core.zero.zero import Zero1, Zero2, ZeroWrapper, zero_owner
 
 
@@ -46,6 +46,11 @@ class OwnedPiece:
     master: Tensor  # fp32 master (or the parameter buffer itself for >= 32-bit parameters)
     grad: Tensor  # reduced, averaged gradient (parameter dtype)
     param: Tensor  # the parameter buffer's elements
+
+    @property
+    def separate(self) -> bool:
+        """The master is an fp32 copy, written back into ``param`` after a step."""
+        return self.master is not self.param
 
 
 class _ZeroOptimizer:
@@ -69,7 +74,7 @@ class _ZeroOptimizer:
                 f"{type(self).__name__} is a mixin: use Zero1AdamW, Zero2Optimizer, ..."
             )
         self._wrapper: Optional[ZeroWrapper] = None
-        self._master_shard: Optional[Tensor] = None  # only for < 32-bit parameters
+        self._master_shard: Optional[ShardBuffer] = None  # for buckets of < 32-bit parameters
         self._masters_given = False  # _master_shard came from the wrapper's fp32 values
         self._pieces: Dict[int, List[OwnedPiece]] = {}  # id(param group) -> its pieces
         self._consolidated: Optional[Dict[str, Any]] = None
@@ -95,12 +100,11 @@ class _ZeroOptimizer:
             if piece is None:
                 continue  # this rank owns no element of p
             param = wrapper.param_buffer.piece(piece)
-            if self._master_shard is not None:
-                master = shard_piece(self._master_shard, piece)
+            master = param
+            if self._master_shard is not None and self._master_shard.has(piece.bucket):
+                master = self._master_shard.piece(piece)
                 if not self._masters_given:
                     master.copy_(param)
-            else:
-                master = param
             grad = wrapper.reduced_grad(piece)
             owned.append(OwnedPiece(first_index + k, piece, master, grad, param))
         return owned
@@ -125,9 +129,11 @@ class _ZeroOptimizer:
             initial = wrapper.take_initial_masters()  # mixed precision: exact fp32 values
             if initial is not None:
                 self._master_shard, self._masters_given = initial, True
-            elif wrapper.param_buffer.data.element_size() < 4:
-                self._master_shard = torch.zeros(
-                    wrapper.layout.shard_numel, dtype=torch.float32, device=p.device
+            elif any(d.itemsize < 4 for d in wrapper.dtypes):
+                self._master_shard = ShardBuffer(
+                    wrapper.layout,
+                    [torch.float32 if d.itemsize < 4 else None for d in wrapper.dtypes],
+                    p.device,
                 )
         elif wrapper is not self._wrapper:
             raise ValueError(f"{cls}: parameter '{name}' belongs to another wrapped model")
@@ -169,16 +175,16 @@ class _ZeroOptimizer:
         return loss
 
     def _publish(self) -> None:
-        if self._master_shard is not None:
-            for op in self._all_pieces():
+        for op in self._all_pieces():
+            if op.separate:
                 op.param.copy_(op.master)  # rounds to the parameter dtype
         self._wrapper.all_gather_params()
 
     @torch.no_grad()
     def reload_masters(self) -> None:
         """Re-read separate masters after the model's parameters were loaded."""
-        if self._master_shard is not None:
-            for op in self._all_pieces():
+        for op in self._all_pieces():
+            if op.separate:
                 op.master.copy_(op.param)
         self._versions_seen = self._param_versions()
 
@@ -202,13 +208,12 @@ class _ZeroOptimizer:
         """The owned pieces, whose state is keyed by their masters ([Note: strategy state])."""
         self._follow_outside_writes()
         params = [p for g in self.param_groups for p in g["params"]]
-        separate = self._master_shard is not None
         return [
             StatePiece(
                 params[op.opt_index],
                 op.piece.param_start,
                 op.master,
-                op.master if separate else None,
+                op.master if op.separate else None,
             )
             for op in self._all_pieces()
         ]
@@ -231,14 +236,16 @@ class _ZeroOptimizer:
             self.state,
             self.param_groups,
             self.rule,
-            self._master_dtype(),
+            self._master_dtypes(),
             to,
         )
 
-    def _master_dtype(self) -> torch.dtype:
+    def _master_dtypes(self) -> List[torch.dtype]:
+        """The masters' dtype of each of the layout's groups."""
+        separate = [None] * len(self._wrapper.dtypes)
         if self._master_shard is not None:
-            return self._master_shard.dtype
-        return self._wrapper.param_buffer.data.dtype
+            separate = self._master_shard.dtypes
+        return [s or d for s, d in zip(separate, self._wrapper.dtypes)]
 
     def state_dict(self) -> Dict[str, Any]:
         """The consolidated state (only on the ``to`` rank of the last consolidation)."""

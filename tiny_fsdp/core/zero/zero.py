@@ -14,6 +14,7 @@ for this rank's pieces, their reduced gradients (``reduced_grad``) and the all-g
 updated parameters. Collectives: [Note: ZeRO collectives on gloo].
 """
 
+import functools
 import weakref
 from typing import Any, Dict, FrozenSet, List, Optional, Sequence, Type
 
@@ -35,8 +36,8 @@ from tiny_fsdp.core.zero.flat_buffer import (
     FlatBuffer,
     FlatLayout,
     Piece,
+    ShardBuffer,
     gather_bucket,
-    shard_piece,
 )
 from tiny_fsdp.core.zero.grad_stores import FullGradBuffer, StagedGradShard, ZeroGradStore
 
@@ -64,12 +65,14 @@ class ZeroWrapper(ReplicatedWrapper):
         broadcast_buffers: rank 0's buffers before each forward, as torch's DDP ([Note:
             replicated strategies]).
 
-    All trainable parameters must share one dtype and device. ``state_dict()`` /
-    ``load_state_dict()`` use the plain model's keys and full tensors.
+    All trainable parameters must share one device; they may differ in dtype (a bucket holds
+    one: [Note: ZeRO buckets by dtype]). ``state_dict()`` / ``load_state_dict()`` use the plain
+    model's keys and full tensors.
 
     Attributes:
         params: the trainable parameters in layout order (backward order; tied ones once).
         layout: their ``FlatLayout``; ``owned_pieces``: layout index -> this rank's ``Piece``.
+        dtypes: the stored dtype of each of the layout's groups.
         param_buffer: ``FlatBuffer`` (numel,) whose views are the parameters' ``.data``.
         grad_store: the class of the gradient store, which makes the stage.
     """
@@ -104,42 +107,46 @@ class ZeroWrapper(ReplicatedWrapper):
         trainable = [(name, p) for name, p in named if p.requires_grad]
         if not trainable:
             raise ValueError(f"{type(self).__name__}: the model has no trainable parameter")
-        dtypes = {(p.dtype, p.device) for _, p in trainable}
-        if len(dtypes) != 1:
+        devices = {p.device for _, p in trainable}
+        if len(devices) != 1:
             raise ValueError(
-                f"{type(self).__name__} needs one dtype and device for all trainable parameters, "
-                f"got {sorted(str(d) for d in dtypes)}; cast the model (e.g. model.to(dtype)) first"
+                f"{type(self).__name__} needs one device for all trainable parameters, got "
+                f"{sorted(str(d) for d in devices)}; move the model (model.to(device)) first"
             )
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
         self.bucket_cap_mb = bucket_cap_mb
         # Backward order (the last layer's gradient is ready first): layout slot i is params[i].
         self.params: List[nn.Parameter] = [p for _, p in reversed(trainable)]
-        dtype, device = trainable[0][1].dtype, trainable[0][1].device
-        if mixed_precision is not None:
-            dtype = mixed_precision.param_dtype
-        cap = max(1, int(bucket_cap_mb * 2**20) // dtype.itemsize)
-        self.layout = FlatLayout([p.shape for p in self.params], self.world_size, cap)
-        self.param_buffer = FlatBuffer(self.layout, dtype, device)
+        device = trainable[0][1].device
+        stored = [
+            p.dtype if mixed_precision is None else mixed_precision.param_dtype for p in self.params
+        ]
+        self.dtypes: List[torch.dtype] = sorted(set(stored), key=str)
+        groups = [self.dtypes.index(d) for d in stored]
+        cap = max(1, int(bucket_cap_mb * 2**20) // max(d.itemsize for d in self.dtypes))
+        self.layout = FlatLayout([p.shape for p in self.params], self.world_size, cap, groups)
+        self.param_buffer = FlatBuffer(self.layout, self.dtypes, device)
         self._index = {id(p): i for i, p in enumerate(self.params)}
         # This rank's piece of each parameter it owns elements of (layout index -> Piece).
         self.owned_pieces: Dict[int, Piece] = {pc.index: pc for pc in self.layout.pieces(self.rank)}
         # Mixed precision: this rank's pieces of the fp32 values, for the optimizer's masters.
-        self._initial_masters: Optional[torch.Tensor] = None
+        self._initial_masters: Optional[ShardBuffer] = None
         if mixed_precision is not None:
             self._initial_masters = self._master_pieces_before_cast()
             for _, p in named:
                 if not p.requires_grad:  # frozen: not in the buffer, computes in param_dtype
-                    p.data = p.data.to(dtype)
+                    p.data = p.data.to(mixed_precision.param_dtype)
         with torch.no_grad():
             for i, p in enumerate(self.params):
                 self.param_buffer.view(i).copy_(p)
                 p.data = self.param_buffer.view(i)
-            comm.broadcast(self.param_buffer.data, src=0)
+            for tensor in self.param_buffer.tensors:
+                comm.broadcast(tensor, src=0)
             for p in [p for _, p in named if not p.requires_grad]:
                 comm.broadcast_into(p.detach(), src=0)
             broadcast_module_buffers(self.module)
 
-        self._grads = self.grad_store(self.params, self.layout, dtype, device, self.rank)
+        self._grads = self.grad_store(self.params, self.layout, self.dtypes, device, self.rank)
         self._optimizers: "weakref.WeakSet[Any]" = weakref.WeakSet()
         self._backward = BucketedBackward(self, self._grads)
 
@@ -178,21 +185,19 @@ class ZeroWrapper(ReplicatedWrapper):
             self._grads.set_aside()
 
     @torch.no_grad()
-    def _master_pieces_before_cast(self) -> torch.Tensor:
-        """(shard_numel,) this rank's pieces of rank 0's trainable parameters, in their own
-        (fp32) dtype: casting into the low-precision buffer would otherwise round the masters."""
-        first = self.params[0]
-        shard = torch.zeros(self.layout.shard_numel, dtype=first.dtype, device=first.device)
+    def _master_pieces_before_cast(self) -> ShardBuffer:
+        """This rank's pieces of rank 0's trainable parameters, in their own dtype (at least
+        fp32): casting into the low-precision buffer would otherwise round the masters."""
+        dtype = functools.reduce(torch.promote_types, [p.dtype for p in self.params], torch.float32)
+        shard = ShardBuffer(self.layout, [dtype] * len(self.dtypes), self.params[0].device)
         for p in self.params:
             comm.broadcast_into(p.detach(), src=0)  # wrap time only: the masters agree on all ranks
         for piece in self.owned_pieces.values():
             flat = self.params[piece.index].detach().reshape(-1)
-            shard_piece(shard, piece).copy_(
-                flat[piece.param_start : piece.param_start + piece.numel]
-            )
+            shard.piece(piece).copy_(flat[piece.param_start : piece.param_start + piece.numel])
         return shard
 
-    def take_initial_masters(self) -> Optional[torch.Tensor]:
+    def take_initial_masters(self) -> Optional[ShardBuffer]:
         """The fp32 master shard prepared at wrap time (once; None afterwards or without one)."""
         masters, self._initial_masters = self._initial_masters, None
         return masters
@@ -227,8 +232,7 @@ class ZeroWrapper(ReplicatedWrapper):
     def all_gather_params(self) -> None:
         """Every rank's chunk of every bucket of the parameter buffer, to every rank (in place)."""
         works = []
-        for b in range(len(self.layout.buckets)):
-            bucket = self.param_buffer.bucket(b)
+        for bucket in self.param_buffer.tensors:
             works += gather_bucket(
                 bucket, self.rank, self.world_size, self.enable_async_communication
             )
