@@ -220,8 +220,15 @@ def _local_norm(grads: List[torch.Tensor], p: float, device: torch.device) -> to
         by_device.setdefault(grad.device, []).append(grad)
     if p == 2.0:
         return sum(sum_of_squares(g).to(device) for g in by_device.values()).sqrt()
-    norms = [torch.linalg.vector_norm(g, p, dtype=torch.float32).to(device) for g in grads]
+    norms = [_norm(g, p).to(device) for g in grads]
     return torch.linalg.vector_norm(torch.stack(norms), p)
+
+
+def _norm(grad: torch.Tensor, p: float) -> torch.Tensor:
+    """``grad``'s ``p``-norm in float32 (of the moduli for a complex ``grad``, as torch's)."""
+    if grad.is_complex():
+        return torch.linalg.vector_norm(grad, p).float()
+    return torch.linalg.vector_norm(grad, p, dtype=torch.float32)
 
 
 def install() -> None:

@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from torch import Tensor
 from torch.nn.utils.rnn import pad_sequence
 
-from .base import UPDATE_BATCH_BYTES, BaseOptimizer, ParamsT, batch_limit
+from .base import UPDATE_BATCH_BYTES, BaseOptimizer, ParamsT, as_real, batch_limit
 
 
 def adamw_update_(
@@ -47,6 +47,9 @@ def adamw_update_(
     _init_state(params, states, amsgrad)
     steps = [state["step"] for state in states]
     torch._foreach_add_(steps, 1)
+    if any(p.is_complex() for p in params):  # real and imaginary parts step apart, as torch's
+        params, grads = [as_real(p) for p in params], [as_real(g) for g in grads]
+        states = [{k: as_real(v) if k != "step" else v for k, v in s.items()} for s in states]
     hyper = _Hyper(lr, beta1, beta2, eps, weight_decay, amsgrad, maximize)
     kernel = [fused is not False and _fused_takes(*t, amsgrad) for t in zip(params, grads, states)]
     if fused and not all(kernel):

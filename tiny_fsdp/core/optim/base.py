@@ -190,6 +190,12 @@ def update_batches(
     yield from batches.values()
 
 
+def as_real(tensor: Tensor) -> Tensor:
+    """A complex tensor as its real view (..., 2), as torch.optim steps complex parameters;
+    any other tensor as it is."""
+    return torch.view_as_real(tensor) if tensor.is_complex() else tensor
+
+
 def sum_of_squares(tensors: list[Tensor]) -> Tensor:
     """Sum of the squares of every element of ``tensors`` (all on one device), a 0-d float32.
 
@@ -198,6 +204,7 @@ def sum_of_squares(tensors: list[Tensor]) -> Tensor:
     norm kernel accumulates in float32 one element after another (relative error 8e-4 on a 13M
     element gradient, measured) where ``sum`` adds pairwise (3e-8).
     """
+    tensors = [as_real(t) for t in tensors]  # |z|^2 = re^2 + im^2
     if tensors[0].device.type == "cpu":
         return torch.stack([t.float().square().sum() for t in tensors]).sum()
     return torch.stack(torch._foreach_norm(tensors, 2.0, dtype=torch.float32)).square().sum()
