@@ -181,3 +181,28 @@ def test_embedding_options_it_does_not_implement_take_the_generic_path():
         with pytest.raises(NotImplementedError, match="generic path"):
             direct(torch.tensor([1]))
     assert type(convert_module(nn.Sequential(nn.Embedding(4, 2, sparse=True)))[0]) is Embedding
+
+
+@pytest.mark.parametrize(
+    "layer, make_input",
+    [
+        (lambda: nn.Linear(0, 5), lambda: torch.randn(2, 3, 0, requires_grad=True)),
+        (lambda: nn.Linear(7, 0), lambda: torch.randn(2, 3, 7, requires_grad=True)),
+        (lambda: nn.Embedding(6, 0), lambda: torch.tensor([[1, 2], [5, 0]])),
+    ],
+    ids=["Linear-in0", "Linear-out0", "Embedding-dim0"],
+)
+def test_layers_of_size_zero_give_torchs_gradients(layer, make_input):
+    """A model configured with a size of 0 (no extra features, say) trains as with torch."""
+    torch.manual_seed(0)
+    ref = layer()
+    ours = convert_module(copy.deepcopy(ref))
+    assert isinstance(ours, CallbackModule)
+    x_ref = make_input()
+    x_ours = x_ref.detach().clone().requires_grad_(x_ref.requires_grad)
+    (ref(x_ref).sum() + 1).backward()
+    (ours(x_ours).sum() + 1).backward()
+    for p_ref, p_ours in zip(ref.parameters(), ours.parameters()):
+        assert torch.equal(p_ref.grad, p_ours.grad)
+    if x_ref.requires_grad:
+        assert torch.equal(x_ref.grad, x_ours.grad)

@@ -46,7 +46,7 @@ class Embedding(CallbackModule, nn.Embedding):
         (weight,) = ctx.params
         grad_weight = None
         if ctx.param_needs_grad[0]:
-            flat_grad = grad_output.reshape(-1, weight.shape[1])  # (N, dim)
+            flat_grad = grad_output.reshape(idx.numel(), weight.shape[1])  # (N, dim)
             grad_weight = torch.zeros_like(weight).index_add_(0, idx.reshape(-1), flat_grad)
             if self.padding_idx is not None:
                 grad_weight[self.padding_idx] = 0

@@ -1,5 +1,6 @@
 """``Linear`` wrapper: y = x @ W^T + b, with its backward written out."""
 
+import math
 from typing import Any
 
 import torch
@@ -24,7 +25,8 @@ class Linear(CallbackModule, nn.Linear):
         weight, _ = ctx.params
         weight_needs_grad, bias_needs_grad = ctx.param_needs_grad
         grad_x = grad_output.matmul(weight) if ctx.needs_input_grad[2] else None  # (..., in)
-        g2d = grad_output.reshape(-1, grad_output.shape[-1])  # (N, out)
-        grad_weight = g2d.t().mm(x.reshape(-1, x.shape[-1])) if weight_needs_grad else None
+        rows = math.prod(x.shape[:-1])  # N, named: a size of 0 (in or out) leaves -1 ambiguous
+        g2d = grad_output.reshape(rows, grad_output.shape[-1])  # (N, out)
+        grad_weight = g2d.t().mm(x.reshape(rows, x.shape[-1])) if weight_needs_grad else None
         grad_bias = g2d.sum(0) if bias_needs_grad else None
         return (grad_x,), (grad_weight, grad_bias)
