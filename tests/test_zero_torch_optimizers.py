@@ -24,7 +24,7 @@ from tests.parity import assert_trains_alike
 from tests.zoo import SignSGD
 from tiny_fsdp.checkpoint import load_checkpoint, save_checkpoint
 from tiny_fsdp.core import FSDP, Zero1, Zero1AdamW, Zero1Optimizer, Zero2, Zero2AdamW
-from tiny_fsdp.core import Zero2Optimizer
+from tiny_fsdp.core import Zero2Optimizer, Zero2SGD
 
 STEPS = 4
 # The same rule on the same values; only the gradient average rounds differently (reduce-scatter
@@ -308,14 +308,48 @@ def _misuse_worker(rank: int, world_size: int) -> None:
     # A torch.optim optimizer on a ZeRO model's parameters is refused, naming this class.
     with pytest.raises(RuntimeError, match=r"Zero1Optimizer\(model.named_parameters\(\), "):
         _train(model, torch.optim.Adam(model.parameters()), rank, steps=1)
-    # A consolidated state of the project's AdamW is another rule's: refused.
+    # A consolidated state of the project's AdamW is not Adam's (no decoupled decay): refused.
     own = Zero1AdamW(model.named_parameters(), lr=1e-2)
     own.consolidate_state_dict(to=0)
     state = [own.state_dict() if rank == 0 else None]
     dist.broadcast_object_list(state, src=0)
-    adam = Zero1Optimizer(model.named_parameters(), optimizer_class=torch.optim.AdamW)
+    adam = Zero1Optimizer(model.named_parameters(), optimizer_class=torch.optim.Adam)
     with pytest.raises(ValueError, match="cannot load the state of a AdamW optimizer"):
         adam.load_state_dict(state[0])
+
+
+def _own_rules_worker(rank: int, world_size: int) -> None:
+    for own_cls, torch_cls, hyper in [
+        (Zero1AdamW, torch.optim.AdamW, dict(lr=1e-2, weight_decay=0.1, amsgrad=True)),
+        (Zero2SGD, torch.optim.SGD, dict(lr=0.1, momentum=0.9)),
+    ]:
+        wrapper = Zero1 if own_cls is Zero1AdamW else Zero2
+        optimizer_cls = Zero1Optimizer if wrapper is Zero1 else Zero2Optimizer
+        model = wrapper(_model())
+        own = own_cls(model.named_parameters(), **hyper, **_foreach_ops(own_cls))
+        _train(model, own, rank, steps=2)
+        own.consolidate_state_dict(to=0)
+        saved = [{"model": model.state_dict(), "optim": own.state_dict()} if rank == 0 else None]
+        dist.broadcast_object_list(saved, src=0)
+        resumed_model = wrapper(_model())
+        resumed_model.load_state_dict(saved[0]["model"])
+        resumed = optimizer_cls(resumed_model.named_parameters(), torch_cls, **hyper)
+        resumed.load_state_dict(saved[0]["optim"])
+        # torch's class continues the project's rule: the same foreach ops on the same state.
+        assert _train(resumed_model, resumed, rank, 2, 2) == _train(model, own, rank, 2, 2)
+        for key, value in model.state_dict().items():
+            assert torch.equal(resumed_model.state_dict()[key], value), key
+
+
+def _foreach_ops(cls: type) -> Dict[str, Any]:
+    """The project's AdamW on the CPU: torch's foreach ops, as torch.optim.AdamW's default."""
+    return {"fused": False} if cls is Zero1AdamW else {}
+
+
+def test_the_projects_adamw_and_sgd_state_resumes_in_torchs_class() -> None:
+    """``Zero1AdamW`` / ``Zero2SGD`` keep torch.optim.AdamW's / SGD's state under its keys, so
+    their consolidated state loads into ``Zero1Optimizer`` / ``Zero2Optimizer`` of that class."""
+    run_distributed(_own_rules_worker, 2)
 
 
 def test_misuse_raises_clear_errors() -> None:

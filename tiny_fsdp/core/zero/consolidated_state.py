@@ -24,6 +24,9 @@ if TYPE_CHECKING:
     from tiny_fsdp.core.zero.optim import OwnedPiece
 
 FORMAT = "tiny_fsdp.zero12.v1"
+#: The project's rules whose state is a torch.optim class's, under the same keys and meaning
+#: (``Zero1AdamW``'s state resumes in ``Zero1Optimizer(..., torch.optim.AdamW)`` and back).
+SAME_STATE = {"AdamW": "torch.optim.AdamW", "SGD": "torch.optim.SGD"}
 
 PieceState = Mapping[Tensor, Dict[str, Any]]  # an owned piece's master -> its rule's state
 
@@ -139,7 +142,9 @@ def check_loadable(
             f"{cls}.load_state_dict expects a state saved by consolidate_state_dict() + "
             f"state_dict() of a tiny_fsdp ZeRO-1/2 optimizer (format '{FORMAT}'); got {got}"
         )
-    if state_dict["optimizer"] != rule:
+    if SAME_STATE.get(state_dict["optimizer"], state_dict["optimizer"]) != SAME_STATE.get(
+        rule, rule
+    ):
         raise ValueError(f"{cls}: cannot load the state of a {state_dict['optimizer']} optimizer")
     saved = [len(g["params"]) for g in state_dict["param_groups"]]
     mine = [len(g["params"]) for g in param_groups]
