@@ -192,6 +192,7 @@ def test_embedding_options_it_does_not_implement_take_the_generic_path():
     ],
     ids=["Linear-in0", "Linear-out0", "Embedding-dim0"],
 )
+@pytest.mark.filterwarnings("ignore:Initializing zero-element tensors")  # torch's, at init
 def test_layers_of_size_zero_give_torchs_gradients(layer, make_input):
     """A model configured with a size of 0 (no extra features, say) trains as with torch."""
     torch.manual_seed(0)
