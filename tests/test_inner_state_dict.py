@@ -67,3 +67,65 @@ def _worker(rank: int, world_size: int) -> List[str]:
 
 def test_the_inner_models_state_dict_is_the_full_one_under_every_wrapper() -> None:
     assert run_distributed(_worker, 2)[0] == list(STRATEGIES)
+
+
+class _Block(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(6, 6)
+        self.norm = nn.LayerNorm(6)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.norm(torch.tanh(self.fc(x)))
+
+
+def _checkpointed() -> nn.Module:
+    """Blocks wrapped by torch's ``apply_activation_checkpointing`` (torchtitan's and
+    accelerate's way with FSDP): the parameters are named ``..._checkpoint_wrapped_module...``,
+    the state-dict keys are not (hooks of the wrapper rename them)."""
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
+        apply_activation_checkpointing,
+    )
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 6), _Block(), _Block(), nn.Linear(6, 2))
+    apply_activation_checkpointing(model, check_fn=lambda m: isinstance(m, _Block))
+    return model
+
+
+def _renamed_keys_worker(rank: int, world_size: int) -> List[str]:
+    from tiny_fsdp import core
+
+    def train(model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
+        for step in range(2):
+            x = torch.randn(3, 4, generator=torch.Generator().manual_seed(10 * step + rank))
+            model(x).square().mean().backward()
+            optimizer.step()
+            optimizer.zero_grad()
+
+    reference = nn.parallel.DistributedDataParallel(_checkpointed())
+    train(reference, torch.optim.SGD(reference.parameters(), lr=0.1))
+    want = reference.module.state_dict()
+    assert not any("_checkpoint_wrapped_module" in key for key in want)
+    seen = []
+    for wrapper in ("FSDP", "Zero3"):
+        model = getattr(core, wrapper)(_checkpointed())
+        train(model, torch.optim.SGD(model.parameters(), lr=0.1))
+        for full in (model.state_dict(), model.module.state_dict()):
+            assert list(full) == list(want), wrapper
+            for key, value in want.items():  # the same SGD steps on the same gradients
+                assert torch.allclose(full[key], value, atol=1e-6), f"{wrapper} {key}"
+        # And back, through the wrapper and through the inner model.
+        for load in (model.load_state_dict, model.module.load_state_dict):
+            load({k: v + 1 for k, v in want.items()})
+            loaded = model.state_dict()
+            assert all(torch.equal(loaded[k], v + 1) for k, v in want.items()), wrapper
+        seen.append(wrapper)
+    return seen
+
+
+def test_state_dict_keys_renamed_by_module_hooks_hold_full_tensors() -> None:
+    """A module whose state-dict hooks rename its keys (torch's checkpoint_wrapper): the
+    state dicts under FSDP and ZeRO-3 gathered only the keys equal to parameter names and
+    held this rank's shards under the others, silently."""
+    assert run_distributed(_renamed_keys_worker, 2)[0] == ["FSDP", "Zero3"]

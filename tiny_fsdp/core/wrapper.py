@@ -319,14 +319,25 @@ class DataParallelWrapper(nn.Module):
         finally:
             self._local_state_dicts -= 1
 
+    def managed_entries(self) -> List[Tuple[str, nn.Parameter]]:
+        """(state-dict key, parameter) of the inner model's parameters this strategy holds
+        parts of, in state-dict order (the same on every rank). Keys, not parameter names: a
+        module's state-dict hooks may rename them (torch's ``checkpoint_wrapper`` drops its
+        ``_checkpoint_wrapped_module.``); a tied parameter appears under each of its keys."""
+        return [
+            (key, value)
+            for key, value in self.local_state_dict(keep_vars=True).items()
+            if isinstance(value, nn.Parameter) and self.manages(value)
+        ]
+
     def _make_full_(self, entries: Dict[str, Any], prefix: str, keep_vars: bool) -> None:
         """Replace, in place, the entries of the parameters this strategy splits (keys
-        ``prefix`` + the model's parameter names) by their full tensors: collectives, in the
-        order of ``named_parameters`` on every rank; a tied parameter is gathered once."""
+        ``prefix`` + ``managed_entries``' keys) by their full tensors: collectives, in
+        state-dict order on every rank; a tied parameter is gathered once."""
         full: Dict[int, torch.Tensor] = {}
-        for name, param in self.module.named_parameters(remove_duplicate=False):
-            key = prefix + name
-            if key not in entries or not self.manages(param):
+        for key, param in self.managed_entries():
+            key = prefix + key
+            if key not in entries:
                 continue
             if id(param) not in full:
                 tensor = self.full_tensor(param)
@@ -512,9 +523,9 @@ def _load_full_tensors_hook(
     if (metadata or {}).get("assign_to_params_buffers", False):
         raise _assign_error(f"model.module of a {type(wrapper).__name__} model")
     wrapper.before_load()
-    for name, param in module.named_parameters(remove_duplicate=False):
-        key = prefix + name
-        if key not in state_dict or not wrapper.manages(param):
+    for key, param in wrapper.managed_entries():
+        key = prefix + key
+        if key not in state_dict:
             continue
         source, full_shape = state_dict[key], tuple(wrapper.full_shape(param))
         if tuple(source.shape) != full_shape:
