@@ -8,7 +8,7 @@ from torch's ``DistributedDataParallel``, whose keys carry ``module.``.
 """
 
 import copy
-from typing import List
+from typing import Any, List
 
 import pytest
 import torch
@@ -87,34 +87,51 @@ def _checkpointed() -> nn.Module:
         apply_activation_checkpointing,
     )
 
-    torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(4, 6), _Block(), _Block(), nn.Linear(6, 2))
+    model = _blocks()
     apply_activation_checkpointing(model, check_fn=lambda m: isinstance(m, _Block))
     return model
 
 
-def _renamed_keys_worker(rank: int, world_size: int) -> List[str]:
-    from tiny_fsdp import core
+def _blocks() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(4, 6), _Block(), _Block(), nn.Linear(6, 2))
 
-    def train(model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
-        for step in range(2):
+
+def _renamed_keys_worker(rank: int, world_size: int, path: str) -> List[str]:
+    from tiny_fsdp import core
+    from tiny_fsdp.checkpoint import load_checkpoint, save_checkpoint
+
+    def train(model: nn.Module, optimizer: torch.optim.Optimizer, first: int = 0) -> None:
+        for step in range(first, first + 2):
             x = torch.randn(3, 4, generator=torch.Generator().manual_seed(10 * step + rank))
             model(x).square().mean().backward()
             optimizer.step()
             optimizer.zero_grad()
 
     reference = nn.parallel.DistributedDataParallel(_checkpointed())
-    train(reference, torch.optim.SGD(reference.parameters(), lr=0.1))
+    train(reference, torch.optim.SGD(reference.parameters(), lr=0.1, momentum=0.9))
     want = reference.module.state_dict()
     assert not any("_checkpoint_wrapped_module" in key for key in want)
     seen = []
     for wrapper in ("FSDP", "Zero3"):
         model = getattr(core, wrapper)(_checkpointed())
-        train(model, torch.optim.SGD(model.parameters(), lr=0.1))
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+        train(model, optimizer)
         for full in (model.state_dict(), model.module.state_dict()):
             assert list(full) == list(want), wrapper
             for key, value in want.items():  # the same SGD steps on the same gradients
                 assert torch.allclose(full[key], value, atol=1e-6), f"{wrapper} {key}"
+        # tiny_fsdp.checkpoint names tensors by state-dict key: the checkpoint resumes in
+        # the same model without checkpoint_wrapper, under another strategy.
+        save_checkpoint(f"{path}-{wrapper}", model, optimizer)
+        plain = core.DDP(_blocks())
+        plain_optimizer = torch.optim.SGD(plain.parameters(), lr=0.1, momentum=0.9)
+        load_checkpoint(f"{path}-{wrapper}", plain, plain_optimizer)
+        train(model, optimizer, first=2)
+        train(plain, plain_optimizer, first=2)
+        resumed, continued = plain.state_dict(), model.state_dict()
+        for key, value in continued.items():
+            assert torch.allclose(resumed[key], value, atol=1e-6), f"{wrapper} resumed {key}"
         # And back, through the wrapper and through the inner model.
         for load in (model.load_state_dict, model.module.load_state_dict):
             load({k: v + 1 for k, v in want.items()})
@@ -124,8 +141,10 @@ def _renamed_keys_worker(rank: int, world_size: int) -> List[str]:
     return seen
 
 
-def test_state_dict_keys_renamed_by_module_hooks_hold_full_tensors() -> None:
+def test_state_dict_keys_renamed_by_module_hooks_hold_full_tensors(tmp_path: Any) -> None:
     """A module whose state-dict hooks rename its keys (torch's checkpoint_wrapper): the
     state dicts under FSDP and ZeRO-3 gathered only the keys equal to parameter names and
-    held this rank's shards under the others, silently."""
-    assert run_distributed(_renamed_keys_worker, 2)[0] == ["FSDP", "Zero3"]
+    held this rank's shards under the others, silently; a tiny_fsdp checkpoint of it loads
+    into the model without the wrapper."""
+    ranks = run_distributed(_renamed_keys_worker, 2, str(tmp_path / "ckpt"))
+    assert ranks[0] == ["FSDP", "Zero3"]

@@ -3,12 +3,15 @@
 [Note: checkpoint pieces]
 A checkpoint never depends on the strategy or world size that wrote it. Each tensor has an id,
 ``model/<name>`` (a parameter or buffer) or ``optim/<param name>/<state key>``, where a
-parameter's name is its first one in ``model.named_parameters()`` (a tied weight has one id), and
-is stored as *pieces*: flat ranges ``[start, stop)`` of the full tensor in row-major order.
-Each strategy says which flat range of which full tensor its local storage is, and which range
-it writes when saving ([Note: strategy state]): whole tensors (one device, DDP; saved by rank 0),
-ZeRO-1/2's owned flat ranges ([Note: ZeRO flat layout]), the whole tensors a ZeRO-3 rank owns,
-FSDP's real rows of each dim-0 shard ([Note: dim-0 shards]).
+parameter's name is its first key in the plain model's state dict, as torch's distributed
+checkpoint names it (a tied weight has one id; the same as its first name in
+``named_parameters()`` unless a module's hooks rename keys, as torch's ``checkpoint_wrapper``
+does, so a checkpoint loads with or without such wrappers), and is stored as *pieces*: flat
+ranges ``[start, stop)`` of the full tensor in row-major order. Each strategy says which flat
+range of which full tensor its local storage is, and which range it writes when saving ([Note:
+strategy state]): whole tensors (one device, DDP; saved by rank 0), ZeRO-1/2's owned flat
+ranges ([Note: ZeRO flat layout]), the whole tensors a ZeRO-3 rank owns, FSDP's real rows of
+each dim-0 shard ([Note: dim-0 shards]).
 
 Saving, the ranges of all ranks cover every tensor exactly once. Loading, each rank fills every
 range it holds from the pieces overlapping it, whoever wrote them. Optimizer state values shaped
@@ -104,7 +107,13 @@ class Adapter:
         self.world_size = dist.get_world_size() if initialised else 1
         first = next(iter(self.inner.parameters()), None)
         self.device = first.device if first is not None else torch.device("cpu")
-        self.names: Dict[int, str] = {id(p): n for n, p in self.inner.named_parameters()}
+        # A parameter's name: its first state-dict key ([Note: checkpoint pieces]).
+        self.names: Dict[int, str] = {}
+        for key, value in self._own_state_dict().items():
+            if isinstance(value, nn.Parameter):
+                self.names.setdefault(id(value), key)
+        for name, p in self.inner.named_parameters():  # one a hook left out of the state dict
+            self.names.setdefault(id(p), name)
 
     def _own_state_dict(self) -> Dict[str, Any]:
         """What this rank holds, under the plain model's keys (parameters as objects)."""
@@ -193,8 +202,8 @@ class Adapter:
 
     def model_slices(self, saving: bool) -> List[Slice]:
         out = []
-        for name, p in self.inner.named_parameters():
-            out += self.param_slices(name, p, saving)
+        for p in self.inner.parameters():
+            out += self.param_slices(self.names[id(p)], p, saving)
         params = set(self.names)
         for key, value in self._own_state_dict().items():
             # Buffers stay whole and equal on every rank in every strategy.
