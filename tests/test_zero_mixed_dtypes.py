@@ -5,7 +5,9 @@ The case users have: a bf16 model that keeps its norms in fp32 (``transformers``
 ``_keep_in_fp32_modules``), here with an fp64 head too. A bucket holds one dtype; bf16
 parameters step fp32 masters, 32- and 64-bit ones are their own masters. The oracle: torch's
 ``DistributedDataParallel`` on the same mixed model, and ``torch.optim.AdamW`` stepping fp32 copies
-of the bf16 parameters (the usual master-weights recipe) and the others as they are.
+of the bf16 parameters (the usual master-weights recipe) and the others as they are. Under a
+bf16 policy every parameter is stored in bf16 and keeps a master of its own dtype: the stored
+values are the project's DDP's under the same policy (whose masters are the parameters), rounded.
 """
 
 from typing import Any, Dict, List, Tuple
@@ -17,7 +19,16 @@ from torch.nn.parallel import DistributedDataParallel
 
 from tests.harness import run_distributed
 from tiny_fsdp.checkpoint import load_checkpoint, save_checkpoint
-from tiny_fsdp.core import DDP, DDPAdamW, Zero1, Zero1AdamW, Zero2, Zero2AdamW, Zero2Optimizer
+from tiny_fsdp.core import (
+    DDP,
+    MixedPrecisionPolicy,
+    DDPAdamW,
+    Zero1,
+    Zero1AdamW,
+    Zero2,
+    Zero2AdamW,
+    Zero2Optimizer,
+)
 from tiny_fsdp.core.zero import FlatLayout
 
 STEPS = 3
@@ -148,6 +159,34 @@ def _mixed_worker(rank: int, world_size: int, path: str) -> None:
         assert torch.equal(zero2.state_dict()[key], value), key
     for key, value in torch_ddp.module.state_dict().items():
         assert torch.equal(ddp.state_dict()[key], value), key
+
+
+def _wide_model() -> nn.Module:
+    """fp32 and fp64 parameters, which a bf16 policy computes with alike."""
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 3).to(torch.float64))
+
+
+def _policy_worker(rank: int, world_size: int) -> None:
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16)
+    batches = [x.to(torch.bfloat16) for x in _batches(rank)]
+    ddp = DDP(_wide_model(), mixed_precision=policy)
+    ddp_optimizer = DDPAdamW(ddp.named_parameters(), lr=LR, fused=False)
+    _train(ddp, ddp_optimizer, batches)
+    zero = Zero1(_wide_model(), bucket_cap_mb=BUCKET_MB, mixed_precision=policy)
+    optimizer = Zero1AdamW(zero.named_parameters(), lr=LR, fused=False)
+    _train(zero, optimizer, batches)
+    # Stored in bf16, stepped on masters of each parameter's own dtype (fp32 at least), as
+    # DDP under the policy steps its parameters: the stored values are the masters rounded.
+    assert {master.dtype for master in optimizer.state} == {torch.float32, torch.float64}
+    want = ddp.state_dict()
+    for key, value in zero.state_dict().items():
+        assert value.dtype == torch.bfloat16, key
+        assert torch.equal(value, want[key].to(torch.bfloat16)), key
+
+
+def test_under_a_policy_each_parameter_keeps_a_master_of_its_own_dtype() -> None:
+    run_distributed(_policy_worker, 2)
 
 
 def test_zero12_train_a_model_of_three_dtypes_as_torch_ddp_with_fp32_masters(

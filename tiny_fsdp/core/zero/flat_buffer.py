@@ -27,13 +27,14 @@ per-piece update equals the whole-tensor update restricted to the piece).
 A model may hold parameters of several dtypes (a bf16 model that keeps its norms in fp32, as
 ``transformers`` does for ``_keep_in_fp32_modules``); torch's DDP and ZeroRedundancyOptimizer
 take it. A collective and a view need one dtype, so each parameter has a *group* (its stored
-dtype) and a bucket holds one group: every group fills its own open bucket in backward order,
-and the buckets are ordered by the parameter that completes them, so that reducing them strictly
-in order still launches each as soon as its last gradient arrives. The storage is one tensor
-per bucket (``FlatBuffer``) and one chunk tensor per bucket (``ShardBuffer``), each of its
-group's dtype; the flat offsets above stay one index space, so the layout, the pieces and the
-consolidated state do not depend on the dtypes. With one dtype the buckets are those of a
-single pass, filled and closed one after another.
+dtype; under a mixed-precision policy, which stores every parameter in one dtype, also its own,
+which its master keeps) and a bucket holds one group: every group fills its own open bucket
+in backward order, and the buckets are ordered by the parameter that completes them, so that
+reducing them strictly in order still launches each as soon as its last gradient arrives. The
+storage is one tensor per bucket (``FlatBuffer``) and one chunk tensor per bucket
+(``ShardBuffer``), each of its group's dtype; the flat offsets above stay one index space, so
+the layout, the pieces and the consolidated state do not depend on the dtypes. With one dtype
+the buckets are those of a single pass, filled and closed one after another.
 
 [Note: ZeRO collectives on gloo]
 ZeRO's collectives are a reduce-scatter of each gradient bucket and an all-gather of each

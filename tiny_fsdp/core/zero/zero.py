@@ -14,7 +14,6 @@ for this rank's pieces, their reduced gradients (``reduced_grad``) and the all-g
 updated parameters. Collectives: [Note: ZeRO collectives on gloo].
 """
 
-import functools
 import weakref
 from typing import Any, Dict, FrozenSet, List, Optional, Sequence, Type
 
@@ -118,11 +117,13 @@ class ZeroWrapper(ReplicatedWrapper):
         # Backward order (the last layer's gradient is ready first): layout slot i is params[i].
         self.params: List[nn.Parameter] = [p for _, p in reversed(trainable)]
         device = trainable[0][1].device
-        stored = [
-            p.dtype if mixed_precision is None else mixed_precision.param_dtype for p in self.params
-        ]
-        self.dtypes: List[torch.dtype] = sorted(set(stored), key=str)
-        groups = [self.dtypes.index(d) for d in stored]
+        # A group per (stored dtype, own dtype): under a policy, parameters of other dtypes
+        # share the stored one but keep masters of their own ([Note: ZeRO buckets by dtype]).
+        policy = mixed_precision
+        keys = [(p.dtype if policy is None else policy.param_dtype, p.dtype) for p in self.params]
+        self._group_keys = sorted(set(keys), key=str)
+        groups = [self._group_keys.index(key) for key in keys]
+        self.dtypes: List[torch.dtype] = [stored for stored, _ in self._group_keys]
         cap = max(1, int(bucket_cap_mb * 2**20) // max(d.itemsize for d in self.dtypes))
         self.layout = FlatLayout([p.shape for p in self.params], self.world_size, cap, groups)
         self.param_buffer = FlatBuffer(self.layout, self.dtypes, device)
@@ -188,8 +189,8 @@ class ZeroWrapper(ReplicatedWrapper):
     def _master_pieces_before_cast(self) -> ShardBuffer:
         """This rank's pieces of rank 0's trainable parameters, in their own dtype (at least
         fp32): casting into the low-precision buffer would otherwise round the masters."""
-        dtype = functools.reduce(torch.promote_types, [p.dtype for p in self.params], torch.float32)
-        shard = ShardBuffer(self.layout, [dtype] * len(self.dtypes), self.params[0].device)
+        dtypes = [torch.promote_types(own, torch.float32) for _, own in self._group_keys]
+        shard = ShardBuffer(self.layout, dtypes, self.params[0].device)
         for p in self.params:
             comm.broadcast_into(p.detach(), src=0)  # wrap time only: the masters agree on all ranks
         for piece in self.owned_pieces.values():
