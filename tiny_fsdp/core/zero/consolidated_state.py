@@ -17,7 +17,7 @@ import torch
 from torch import Tensor
 
 from tiny_fsdp.core import comm
-from tiny_fsdp.core.zero.flat_buffer import ShardBuffer, gather_bucket
+from tiny_fsdp.core.zero.flat_buffer import FlatBuffer, ShardBuffer, gather_bucket
 from tiny_fsdp.core.zero.zero import ZeroWrapper
 
 if TYPE_CHECKING:
@@ -98,13 +98,11 @@ def _gather_buckets(
         value = op.master if key == "master" else state[op.master].get(key)
         if value is not None:
             shard.piece(op.piece).copy_(value)
-    out = []
-    for b, bucket in enumerate(layout.buckets):
-        full = torch.empty(bucket.numel, dtype=dtypes[bucket.group], device=device)
-        full[wrapper.rank * bucket.chunk : (wrapper.rank + 1) * bucket.chunk].copy_(shard.chunk(b))
-        gather_bucket(full, wrapper.rank, layout.world_size, async_op=False)
-        out.append(full.cpu() if keep else full[:0])
-    return out
+    full = FlatBuffer(layout, dtypes, device)
+    for b in range(len(layout.buckets)):
+        full.chunk(b, wrapper.rank).copy_(shard.chunk(b))
+        gather_bucket(full.bucket(b), wrapper.rank, layout.world_size, async_op=False)
+    return [t.cpu() for t in full.tensors] if keep else []
 
 
 @torch.no_grad()
@@ -142,9 +140,7 @@ def check_loadable(
             f"{cls}.load_state_dict expects a state saved by consolidate_state_dict() + "
             f"state_dict() of a tiny_fsdp ZeRO-1/2 optimizer (format '{FORMAT}'); got {got}"
         )
-    if SAME_STATE.get(state_dict["optimizer"], state_dict["optimizer"]) != SAME_STATE.get(
-        rule, rule
-    ):
+    if _state_kind(state_dict["optimizer"]) != _state_kind(rule):
         raise ValueError(f"{cls}: cannot load the state of a {state_dict['optimizer']} optimizer")
     saved = [len(g["params"]) for g in state_dict["param_groups"]]
     mine = [len(g["params"]) for g in param_groups]
@@ -158,6 +154,10 @@ def check_loadable(
                 f"{cls}: saved parameter {index} has shape {tuple(entry['master'].shape)}, "
                 f"'{name}' has {tuple(p.shape)}"
             )
+
+
+def _state_kind(rule: str) -> str:
+    return SAME_STATE.get(rule, rule)
 
 
 def _is_scalar(value: Any) -> bool:

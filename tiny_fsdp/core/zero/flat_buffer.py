@@ -75,7 +75,7 @@ class Bucket:
     chunk: int
     shard_start: int
     slots: Tuple[int, ...]
-    group: int = 0
+    group: int
 
 
 @dataclass(frozen=True)
@@ -225,7 +225,6 @@ class ShardBuffer:
         device: torch.device,
     ) -> None:
         self.layout = layout
-        self.dtypes = list(dtypes)
         self.tensors: List[Optional[torch.Tensor]] = [
             (
                 None

@@ -129,12 +129,8 @@ class _ZeroOptimizer:
             initial = wrapper.take_initial_masters()  # mixed precision: exact fp32 values
             if initial is not None:
                 self._master_shard, self._masters_given = initial, True
-            elif any(d.itemsize < 4 for d in wrapper.dtypes):
-                self._master_shard = ShardBuffer(
-                    wrapper.layout,
-                    [torch.float32 if d.itemsize < 4 else None for d in wrapper.dtypes],
-                    p.device,
-                )
+            elif any(wrapper.master_dtypes):
+                self._master_shard = ShardBuffer(wrapper.layout, wrapper.master_dtypes, p.device)
         elif wrapper is not self._wrapper:
             raise ValueError(f"{cls}: parameter '{name}' belongs to another wrapped model")
         return wrapper
@@ -242,10 +238,8 @@ class _ZeroOptimizer:
 
     def _master_dtypes(self) -> List[torch.dtype]:
         """The masters' dtype of each of the layout's groups."""
-        separate = [None] * len(self._wrapper.dtypes)
-        if self._master_shard is not None:
-            separate = self._master_shard.dtypes
-        return [s or d for s, d in zip(separate, self._wrapper.dtypes)]
+        wrapper = self._wrapper
+        return [m or d for m, d in zip(wrapper.master_dtypes, wrapper.dtypes)]
 
     def state_dict(self) -> Dict[str, Any]:
         """The consolidated state (only on the ``to`` rank of the last consolidation)."""

@@ -71,7 +71,8 @@ class ZeroWrapper(ReplicatedWrapper):
     Attributes:
         params: the trainable parameters in layout order (backward order; tied ones once).
         layout: their ``FlatLayout``; ``owned_pieces``: layout index -> this rank's ``Piece``.
-        dtypes: the stored dtype of each of the layout's groups.
+        dtypes: the stored dtype of each of the layout's groups; ``master_dtypes``: the dtype
+            of its optimizer masters, None where the stored values are the masters.
         param_buffer: ``FlatBuffer`` (numel,) whose views are the parameters' ``.data``.
         grad_store: the class of the gradient store, which makes the stage.
     """
@@ -121,9 +122,19 @@ class ZeroWrapper(ReplicatedWrapper):
         # share the stored one but keep masters of their own ([Note: ZeRO buckets by dtype]).
         policy = mixed_precision
         keys = [(p.dtype if policy is None else policy.param_dtype, p.dtype) for p in self.params]
-        self._group_keys = sorted(set(keys), key=str)
-        groups = [self._group_keys.index(key) for key in keys]
-        self.dtypes: List[torch.dtype] = [stored for stored, _ in self._group_keys]
+        group_keys = sorted(set(keys), key=str)
+        groups = [group_keys.index(key) for key in keys]
+        self.dtypes: List[torch.dtype] = [stored for stored, _ in group_keys]
+        # A separate master where the stored values are not one (below 32 bits, or cast by a
+        # policy), of the parameter's own dtype, at least fp32; None: the stored tensor is it.
+        self.master_dtypes: List[Optional[torch.dtype]] = [
+            (
+                torch.promote_types(own, torch.float32)
+                if policy is not None or stored.itemsize < 4
+                else None
+            )
+            for stored, own in group_keys
+        ]
         cap = max(1, int(bucket_cap_mb * 2**20) // max(d.itemsize for d in self.dtypes))
         self.layout = FlatLayout([p.shape for p in self.params], self.world_size, cap, groups)
         self.param_buffer = FlatBuffer(self.layout, self.dtypes, device)
@@ -189,8 +200,7 @@ class ZeroWrapper(ReplicatedWrapper):
     def _master_pieces_before_cast(self) -> ShardBuffer:
         """This rank's pieces of rank 0's trainable parameters, in their own dtype (at least
         fp32): casting into the low-precision buffer would otherwise round the masters."""
-        dtypes = [torch.promote_types(own, torch.float32) for _, own in self._group_keys]
-        shard = ShardBuffer(self.layout, dtypes, self.params[0].device)
+        shard = ShardBuffer(self.layout, self.master_dtypes, self.params[0].device)
         for p in self.params:
             comm.broadcast_into(p.detach(), src=0)  # wrap time only: the masters agree on all ranks
         for piece in self.owned_pieces.values():
