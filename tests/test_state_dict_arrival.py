@@ -19,7 +19,7 @@ from torch import nn
 
 from tests.harness import run_distributed, run_script_ranks
 
-WARN_AFTER_S, TIMEOUT_S, LATE_S = 0.3, 2.0, 0.5
+WARN_AFTER_S, TIMEOUT_S, LATE_S = 0.2, 1.2, 0.2
 
 
 def _model() -> nn.Module:
