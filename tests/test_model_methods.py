@@ -8,7 +8,7 @@ the inner model, not the wrapper; it still trains like ``torch.nn.parallel.Distr
 
 import copy
 import os
-from typing import Dict, List
+from typing import Dict, List, Tuple
 
 import pytest
 import torch
@@ -59,10 +59,8 @@ def _batch(step: int, rank: int) -> torch.Tensor:
     return torch.randint(VOCAB, (3, 7), generator=torch.Generator().manual_seed(10 * step + rank))
 
 
-def _methods_worker(rank: int, world_size: int) -> Dict[str, float]:
-    torch.manual_seed(0)
-    plain = Decoder()
-    prompt = _batch(-1, 0)
+def _train_oracle(plain: nn.Module, rank: int) -> Tuple[nn.Module, List[float]]:
+    """torch DDP + torch.optim.SGD on a copy of ``plain``: (the DDP model, losses by step)."""
     oracle = nn.parallel.DistributedDataParallel(copy.deepcopy(plain))
     oracle_opt = torch.optim.SGD(oracle.parameters(), lr=0.5)
     oracle_losses = []
@@ -74,7 +72,14 @@ def _methods_worker(rank: int, world_size: int) -> Dict[str, float]:
         oracle_opt.step()
         oracle_opt.zero_grad()
         oracle_losses.append(loss.item())
+    return oracle, oracle_losses
 
+
+def _methods_worker(rank: int, world_size: int) -> Dict[str, float]:
+    torch.manual_seed(0)
+    plain = Decoder()
+    prompt = _batch(-1, 0)
+    oracle, oracle_losses = _train_oracle(plain, rank)
     gaps = {}
     for strategy in STRATEGIES:
         model, opt = build(strategy, copy.deepcopy(plain), sgd(lr=0.5))
@@ -99,6 +104,60 @@ def _methods_worker(rank: int, world_size: int) -> Dict[str, float]:
 
 def test_the_models_methods_run_on_the_wrapper_and_train_as_torch_ddp() -> None:
     run_distributed(_methods_worker, 2)
+
+
+def _init(seen: Dict[str, tuple]):
+    """An init after wrapping: random draws, and orthogonal_, which needs the whole matrix."""
+
+    def init(module: nn.Module) -> None:
+        if isinstance(module, nn.Linear):
+            seen[type(module).__name__] = tuple(module.weight.shape)
+            nn.init.orthogonal_(module.weight)
+            nn.init.normal_(module.bias, std=0.1)
+        elif isinstance(module, (nn.Embedding, nn.LayerNorm)):
+            seen[type(module).__name__] = tuple(module.weight.shape)
+            nn.init.normal_(module.weight)
+
+    return init
+
+
+def _apply_worker(rank: int, world_size: int) -> List[str]:
+    """``model.apply(init)`` after wrapping gives, on every rank, the parameters ``plain.apply``
+    gives on one device, draw for draw, and the model trains on from them as torch DDP does."""
+    torch.manual_seed(0)
+    plain, want_seen = Decoder(), {}
+    torch.manual_seed(7)
+    plain.apply(_init(want_seen))
+    _, oracle_losses = _train_oracle(plain, rank)
+    checked = []
+    for strategy in STRATEGIES:
+        torch.manual_seed(0)
+        model, opt = build(strategy, Decoder(), sgd(lr=0.5))
+        seen = {}
+        torch.manual_seed(7)
+        assert model.apply(_init(seen)) is model
+        assert seen == want_seen, (strategy, "init saw shards", seen)  # whole tensors
+        state = model.state_dict()
+        for key, value in plain.state_dict().items():
+            assert torch.equal(state[key], value), (strategy, key)
+        losses = []
+        for step in range(STEPS):
+            loss = model.loss(_batch(step, rank))
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            losses.append(loss.item())
+        gap = max(abs(a - b) for a, b in zip(losses, oracle_losses))
+        assert gap <= LOSS_ATOL, (strategy, losses, oracle_losses)
+        with pytest.raises(RuntimeError, match="in place only"):
+            model.apply(lambda m: setattr(m, "bias", nn.Parameter(torch.zeros(VOCAB)))
+                        if m is model.module.head else None)  # fmt: skip
+        checked.append(strategy)
+    return checked
+
+
+def test_apply_after_wrapping_initialises_as_one_device_under_every_wrapper() -> None:
+    assert run_distributed(_apply_worker, 2)[0] == list(STRATEGIES)
 
 
 def _save_pretrained_worker(rank: int, world_size: int, directory: str) -> List[str]:

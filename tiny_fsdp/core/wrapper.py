@@ -39,13 +39,25 @@ in ``wrap_checks.py``). The wrapper then tags every parameter as its own.
 import contextlib
 import copy
 from collections import OrderedDict
-from typing import Any, Dict, Iterator, List, Mapping, NamedTuple, Optional, Sequence, Tuple
+from typing import (
+    Any,
+    Callable,
+    Dict,
+    Iterator,
+    List,
+    Mapping,
+    NamedTuple,
+    Optional,
+    Sequence,
+    Tuple,
+)
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
 from tiny_fsdp.core import foreign_optimizers
+from tiny_fsdp.core.apply_whole import apply_whole
 from tiny_fsdp.core.clip import HeldGrads, clip_grad_norm_
 from tiny_fsdp.core.local_state import LocalPiece, replicated_piece
 from tiny_fsdp.core.module import convert_module
@@ -193,6 +205,14 @@ class DataParallelWrapper(nn.Module):
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         return self.module(*args, **kwargs)
+
+    def apply(self, fn: Callable[[nn.Module], None]) -> "DataParallelWrapper":
+        """torch's ``Module.apply`` (``fn`` on every submodule, children first), with the
+        parameters of the module ``fn`` is given whole, as FSDP1's ``apply``: initialising after
+        wrapping gives what one device gets ([Note: apply with whole parameters]). A collective
+        where the strategy splits tensors: call it on every rank, with the same seed."""
+        apply_whole(self, fn)
+        return self
 
     def __getattr__(self, name: str) -> Any:
         """An attribute the wrapper lacks is the model's (``model.config``,
