@@ -75,6 +75,18 @@ def _train_oracle(plain: nn.Module, rank: int) -> Tuple[nn.Module, List[float]]:
     return oracle, oracle_losses
 
 
+def _train_by_the_loss_method(model: nn.Module, opt, rank: int) -> List[float]:
+    """STEPS steps through ``model.loss``, the model's method (it calls the inner model)."""
+    losses = []
+    for step in range(STEPS):
+        loss = model.loss(_batch(step, rank))
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return losses
+
+
 def _methods_worker(rank: int, world_size: int) -> Dict[str, float]:
     torch.manual_seed(0)
     plain = Decoder()
@@ -87,13 +99,7 @@ def _methods_worker(rank: int, world_size: int) -> Dict[str, float]:
         assert torch.equal(model.generate(prompt, 4), plain.generate(prompt, 4))
         with pytest.raises(AttributeError, match="no_such_thing"):
             model.no_such_thing
-        losses = []
-        for step in range(STEPS):
-            loss = model.loss(_batch(step, rank))  # the model's method: calls the inner model
-            loss.backward()
-            opt.step()
-            opt.zero_grad()
-            losses.append(loss.item())
+        losses = _train_by_the_loss_method(model, opt, rank)
         gap = max(abs(a - b) for a, b in zip(losses, oracle_losses))
         assert gap <= LOSS_ATOL, (strategy, losses, oracle_losses)
         state, want = model.state_dict(), oracle.module.state_dict()
@@ -140,13 +146,7 @@ def _apply_worker(rank: int, world_size: int) -> List[str]:
         state = model.state_dict()
         for key, value in plain.state_dict().items():
             assert torch.equal(state[key], value), (strategy, key)
-        losses = []
-        for step in range(STEPS):
-            loss = model.loss(_batch(step, rank))
-            loss.backward()
-            opt.step()
-            opt.zero_grad()
-            losses.append(loss.item())
+        losses = _train_by_the_loss_method(model, opt, rank)
         gap = max(abs(a - b) for a, b in zip(losses, oracle_losses))
         assert gap <= LOSS_ATOL, (strategy, losses, oracle_losses)
         with pytest.raises(RuntimeError, match="in place only"):
