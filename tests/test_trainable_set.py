@@ -135,9 +135,10 @@ def _worker(rank: int, world_size: int) -> List[str]:
             batch = lambda step: _batch(step, rank)  # noqa: E731
             if change == "unfreeze" and wrapper in ("Zero1", "Zero2"):
                 _assert_refused(what, lambda: _train(model, model.module, optimizer, change, batch))
-                # Adding the unfrozen parameters to an optimizer is refused alike.
+                # Adding the unfrozen parameter to an optimizer is refused alike, naming it as
+                # the model does even in a group of bare tensors (torch's habit).
                 head = getattr(core, wrapper + "SGD")(model.module.last.named_parameters(), **SGD)
-                group = {"params": [("first.weight", model.module.first.weight)], "lr": 0.01}
+                group = {"params": [model.module.first.weight], "lr": 0.01}
                 _assert_refused(what, lambda: head.add_param_group(group), "['first.weight']")
                 seen.append(what + ": refused")
                 continue

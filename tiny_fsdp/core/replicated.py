@@ -97,6 +97,10 @@ class ReplicatedWrapper(DataParallelWrapper):
             self.take_trainable(new)  # may raise: the flags stay, the next forward sees it again
         self._requires_grad = flags
 
+    def name_of(self, param: torch.Tensor) -> str:
+        """``param``'s name in the model (the first, for a tied parameter)."""
+        return next(name for name, p in self._named_params if p is param)
+
     def has_place(self, param: torch.Tensor) -> bool:
         """``param``'s gradient has a place in the strategy's gradient store."""
         raise NotImplementedError

@@ -94,7 +94,7 @@ class _ZeroOptimizer:
             index = wrapper.index_of(p)
             if index is None:  # frozen at wrap time: not in the buffers, never updated
                 if p.requires_grad:
-                    wrapper.take_trainable([name])  # raises: unfrozen after wrapping
+                    wrapper.take_trainable([wrapper.name_of(p)])  # raises: unfrozen later
                 continue
             piece = wrapper.owned_pieces.get(index)
             if piece is None:
