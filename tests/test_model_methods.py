@@ -113,10 +113,13 @@ def test_the_models_methods_run_on_the_wrapper_and_train_as_torch_ddp() -> None:
 
 
 def _init(seen: Dict[str, tuple]):
-    """An init after wrapping: random draws, and orthogonal_, which needs the whole matrix."""
+    """An init after wrapping: random draws, orthogonal_, which needs the whole matrix, and a
+    parent drawing its child's weight again (as HuggingFace GPT-2 does for ``c_proj``)."""
 
     def init(module: nn.Module) -> None:
-        if isinstance(module, nn.Linear):
+        if isinstance(module, nn.Sequential):  # a block: LayerNorm, Linear
+            nn.init.normal_(module[1].weight, std=0.02)
+        elif isinstance(module, nn.Linear):
             seen[type(module).__name__] = tuple(module.weight.shape)
             nn.init.orthogonal_(module.weight)
             nn.init.normal_(module.bias, std=0.1)
