@@ -5,24 +5,22 @@ Between steps FSDP holds a dim-0 shard of each parameter and ZeRO-3 the tensors 
 ``fn`` run on the modules as they are (torch's ``Module.apply``) would initialise a shard as if
 it were the tensor: every rank draws the same numbers for its shard (FSDP's full tensor then
 repeats one block world-size times), and ``orthogonal_`` or a fan-based init sees the shard's
-shape. So the wrapper's ``apply`` visits the modules in torch's order (children first, then the
-module itself) and, for each, gathers the parameters of the module's whole subtree, lets ``fn``
-see them whole (``param.data`` swapped for the full tensor), then keeps this rank's part of
-what ``fn`` left. The subtree, not the module's own parameters only: an init often reaches into
-children (HuggingFace GPT-2 draws its blocks' ``c_proj.weight`` again from the attention and
-MLP modules). Every rank runs ``fn`` on the same full tensors: with the same random state on
-every rank (a seed set before the call, as before building the model) the result is what one
-device gets, draw for draw.
+shape. So the wrapper's ``apply`` first gathers every parameter (``param.data`` swapped for the
+full tensor), runs torch's ``Module.apply`` (children first, then the module itself), then keeps
+this rank's part of what ``fn`` left. Every parameter, not only those of the module ``fn`` is
+given: an init often reaches into children (HuggingFace GPT-2 draws its blocks'
+``c_proj.weight`` again from the attention and MLP modules). Every rank runs ``fn`` on the same
+full tensors: with the same random state on every rank (a seed set before the call, as before
+building the model) the result is what one device gets, draw for draw.
 
-It is a collective under FSDP / ZeRO-3, after every rank has arrived ([Note: arrival check]).
-Memory: while ``fn`` sees a module, its subtree is whole on every rank; at the end ``fn`` sees
-the root, so the whole model is gathered once (a model too large for one rank is built on
-``meta`` and initialised at wrap time instead, [Note: meta parameters]). Replicated strategies
-hold the tensors whole already: the same code only re-derives what depends on the parameters
-(ZeRO-1/2's fp32 masters of low-precision parameters, ``after_load``). ``fn`` may change a
-parameter in place (``nn.init``, ``copy_``); replacing it would detach it from the strategy's
-buffers, so it raises. Code that writes to ``model.module``'s parameters otherwise still acts on
-what this rank holds (the shard).
+It is a collective under FSDP / ZeRO-3, after every rank has arrived ([Note: arrival check]),
+and the whole model is on every rank while ``fn`` runs (as FSDP1's ``summon_full_params``); a
+model too large for one rank is built on ``meta`` and initialised at wrap time instead ([Note:
+meta parameters]). Replicated strategies hold the tensors whole already: the same code only
+re-derives what depends on the parameters (ZeRO-1/2's fp32 masters of low-precision parameters,
+``after_load``). ``fn`` may change a parameter in place (``nn.init``, ``copy_``); replacing it
+would detach it from the strategy's buffers, so it raises. Code that writes to
+``model.module``'s parameters otherwise still acts on what this rank holds (the shard).
 """
 
 from typing import Any, Callable, List, Tuple
@@ -32,44 +30,35 @@ from torch import nn
 
 from tiny_fsdp.core.utils.arrival import every_rank_arrives
 
-_FIX = "apply(fn) gathers each module's parameters: call it on every rank, with the same seed."
+_FIX = "apply(fn) gathers every parameter: call it on every rank, with the same seed."
 
 
 def apply_whole(wrapper: Any, fn: Callable[[nn.Module], None]) -> None:
     """Run ``fn`` on every module of ``wrapper`` (a ``DataParallelWrapper``) as
-    ``nn.Module.apply`` does, the parameters of the module's subtree whole while ``fn`` sees it
-    ([Note: apply with whole parameters])."""
+    ``nn.Module.apply`` does, every parameter whole ([Note: apply with whole parameters])."""
     if wrapper.gathers_full_tensors:
         every_rank_arrives(f"{type(wrapper).__name__}.apply()", _FIX)
+    managed = [(n, p) for n, p in wrapper.module.named_parameters() if wrapper.manages(p)]
+    held: List[Tuple[nn.Parameter, torch.Tensor]] = []
     wrapper.before_load()
     try:
-        _visit(wrapper, wrapper, fn)
-    finally:
-        wrapper.after_load()
-
-
-def _visit(wrapper: Any, module: nn.Module, fn: Callable[[nn.Module], None]) -> None:
-    for child in module.children():
-        _visit(wrapper, child, fn)
-    subtree = [(n, p) for n, p in module.named_parameters() if wrapper.manages(p)]
-    held: List[Tuple[nn.Parameter, torch.Tensor]] = []
-    try:
-        for _, param in subtree:  # the same order on every rank
+        for _, param in managed:  # the same order on every rank
             full = wrapper.full_tensor(param)  # a collective where the tensor is split
             held.append((param, param.data))
             param.data = full
-        fn(module)
+        nn.Module.apply(wrapper, fn)
     finally:
         for param, local in held:
             whole, param.data = param.data, local
             with torch.no_grad():
                 wrapper.load_full_(param, whole)
-    for name, param in subtree:
+        wrapper.after_load()
+    for name, param in managed:
         owner, _, leaf = name.rpartition(".")
-        if getattr(module.get_submodule(owner), leaf, None) is not param:
+        if getattr(wrapper.module.get_submodule(owner), leaf, None) is not param:
             raise RuntimeError(
-                f"{type(wrapper).__name__}.apply: fn replaced the parameter '{name}' of a "
-                f"{type(module).__name__}; the strategy holds the parameters in its own buffers, "
-                "so fn may change them in place only (nn.init.*_, param.copy_(...)). Replace "
-                "parameters before wrapping the model."
+                f"{type(wrapper).__name__}.apply: fn replaced the parameter '{name}'; the "
+                "strategy holds the parameters in its own buffers, so fn may change them in "
+                "place only (nn.init.*_, param.copy_(...)). Replace parameters before wrapping "
+                "the model."
             )

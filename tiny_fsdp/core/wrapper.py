@@ -207,11 +207,10 @@ class DataParallelWrapper(nn.Module):
         return self.module(*args, **kwargs)
 
     def apply(self, fn: Callable[[nn.Module], None]) -> "DataParallelWrapper":
-        """torch's ``Module.apply`` (``fn`` on every submodule, children first), with the
-        parameters of the module ``fn`` is given and of its children whole, as with FSDP1's
-        ``apply``: initialising after wrapping gives what one device gets ([Note: apply with
-        whole parameters]). A collective where the strategy splits tensors: call it on every
-        rank, with the same seed."""
+        """torch's ``Module.apply`` (``fn`` on every submodule, children first), with every
+        parameter whole, as with FSDP1's ``apply``: initialising after wrapping gives what one
+        device gets ([Note: apply with whole parameters]). A collective where the strategy
+        splits tensors: call it on every rank, with the same seed."""
         apply_whole(self, fn)
         return self
 
