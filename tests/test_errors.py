@@ -16,7 +16,7 @@ import torch.distributed as dist
 from torch import nn
 
 from example.model import GPT2Model, GPTConfig, GPTConfigs
-from tests.build import build, zero3_table
+from tests.build import WRAPPERS, build, zero3_table
 from tests.harness import run_distributed
 from tests.parity import PARAM_ATOL, check_parity, make_model
 from tiny_fsdp.core.module import UnsupportedModuleError
@@ -240,7 +240,19 @@ def _moved_after_wrapping(strategy: str, how: str) -> Callable[[int, int], None]
     return run
 
 
+def _wrap_a_function(strategy: str) -> Callable[[int, int], None]:
+    """A function instead of a module (a forward written as a plain function)."""
+
+    def run(rank: int, world_size: int) -> None:
+        from tiny_fsdp import core
+
+        getattr(core, WRAPPERS[strategy])(lambda x: x * 2)
+
+    return run
+
+
 CASES: Dict[str, Callable[[int, int], None]] = {
+    **{f"not-a-module-{s}": _wrap_a_function(s) for s in STRATEGIES},
     **{f"unsupported-{s}": _case_unsupported(s) for s in STRATEGIES},
     **{
         f"pairing-{OPTIMIZER_OF[o]}-{m}": _case_pairing(OPTIMIZER_OF[o], m)
@@ -283,6 +295,10 @@ TABLE_OWNERS = r"owned by rank \d in the model but by \d in param_part_table; pa
 CHECKPOINT = r"(size mismatch|shape).*transformer.wte.weight|transformer.wte.weight.*shape"
 HOOKED = r"{}: parameters \['transformer.h.0.mlp.c_fc.weight'\] have gradient hooks.*use DDP"
 EXPECTED: Dict[str, Tuple[type, str]] = {
+    **{
+        f"not-a-module-{s}": (TypeError, r"wraps a torch.nn.Module, got function: put the comp")
+        for s in STRATEGIES
+    },
     **{f"unsupported-{s}": (UnsupportedModuleError, UNSUPPORTED) for s in ["zero3", "fsdp"]},
     **{f"unsupported-{s}": (type(None), "") for s in ["ddp", "zero1", "zero2"]},  # stay whole
     **{

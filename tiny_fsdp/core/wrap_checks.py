@@ -1,9 +1,20 @@
 """Checks every strategy runs on a model at wrap time ([Note: wrap-time checks] in wrapper.py)."""
 
+from typing import Any
+
 from torch import nn
 
 from tiny_fsdp.core.loss_reads import is_loss_read_hook
 from tiny_fsdp.core.ownership import owner_of
+
+
+def check_is_module(module: Any, what: str) -> None:
+    """Raise a TypeError unless ``module`` is a ``torch.nn.Module``."""
+    if not isinstance(module, nn.Module):
+        raise TypeError(
+            f"{what} wraps a torch.nn.Module, got {type(module).__name__}: put the computation "
+            "in the forward of a module and wrap that"
+        )
 
 
 def check_not_wrapped(module: nn.Module, what: str) -> None:

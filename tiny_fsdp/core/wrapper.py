@@ -72,6 +72,7 @@ from tiny_fsdp.core.utils.arrival import announce_exit, every_rank_arrives
 from tiny_fsdp.core.utils.dist import check_backend_device, require_process_group
 from tiny_fsdp.core.utils.recompute import gradient_checkpointing, set_gradient_checkpointing
 from tiny_fsdp.core.wrap_checks import (
+    check_is_module,
     check_no_max_norm_embeddings,
     check_no_shared_storage,
     check_not_wrapped,
@@ -127,6 +128,7 @@ class DataParallelWrapper(nn.Module):
         registered_layers: bool = True,
     ) -> None:
         require_process_group(type(self).__name__)
+        check_is_module(module, type(self).__name__)
         super().__init__()
         foreign_optimizers.install()
         announce_exit()  # [Note: arrival check]
