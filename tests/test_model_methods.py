@@ -163,6 +163,36 @@ def test_apply_after_wrapping_initialises_as_one_device_under_every_wrapper() ->
     assert run_distributed(_apply_worker, 2)[0] == list(STRATEGIES)
 
 
+def _apply_changing_nothing_worker(rank: int, world_size: int) -> List[str]:
+    """A ``model.apply`` that writes no parameter, between steps (setting an attribute, as
+    code that switches dropout does), changes no bit of training under a bf16 policy: ZeRO-1/2
+    keep the fp32 masters of their bf16 parameters, which a re-read would round."""
+    from tiny_fsdp.core import MixedPrecisionPolicy
+
+    checked = []
+    for strategy in STRATEGIES:
+        states = []
+        for touch in (False, True):
+            torch.manual_seed(0)
+            policy = MixedPrecisionPolicy(torch.bfloat16)
+            model, opt = build(strategy, Decoder(), sgd(lr=0.5), mixed_precision=policy)
+            for step in range(2 * STEPS):
+                if touch and step == STEPS:
+                    model.apply(lambda m: setattr(m, "seen", True))
+                model.loss(_batch(step, rank)).backward()
+                opt.step()
+                opt.zero_grad()
+            states.append(model.state_dict())
+        for key, value in states[0].items():
+            assert torch.equal(value, states[1][key]), (strategy, key)
+        checked.append(strategy)
+    return checked
+
+
+def test_apply_that_changes_no_parameter_changes_no_bit_of_training() -> None:
+    assert run_distributed(_apply_changing_nothing_worker, 2)[0] == list(STRATEGIES)
+
+
 def _save_pretrained_worker(rank: int, world_size: int, directory: str) -> List[str]:
     """Every rank calls ``model.save_pretrained``; what rank 0 wrote is the trained model."""
     import transformers

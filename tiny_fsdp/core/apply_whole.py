@@ -17,8 +17,9 @@ It is a collective under FSDP / ZeRO-3, after every rank has arrived ([Note: arr
 and the whole model is on every rank while ``fn`` runs (as FSDP1's ``summon_full_params``); a
 model too large for one rank is built on ``meta`` and initialised at wrap time instead ([Note:
 meta parameters]). Replicated strategies hold the tensors whole already: the same code only
-re-derives what depends on the parameters (ZeRO-1/2's fp32 masters of low-precision parameters,
-``after_load``). ``fn`` may change a parameter in place (``nn.init``, ``copy_``); replacing it
+re-derives what depends on the parameters (``after_load``: ZeRO-1/2's fp32 masters of
+low-precision parameters, for the elements ``fn`` wrote; an ``fn`` that writes nothing changes no
+bit of training). ``fn`` may change a parameter in place (``nn.init``, ``copy_``); replacing it
 would detach it from the strategy's buffers, so it raises. Code that writes to
 ``model.module``'s parameters otherwise still acts on what this rank holds (the shard).
 """

@@ -178,10 +178,15 @@ class _ZeroOptimizer:
 
     @torch.no_grad()
     def reload_masters(self) -> None:
-        """Re-read separate masters after the model's parameters were loaded."""
+        """Re-read separate masters after the model's parameters were written from outside
+        (a load, an init): an element that differs from its master rounded to the parameter's
+        dtype takes the parameter's value; one that does not still holds what ``_publish``
+        wrote, and keeps its master's precision (a ``model.apply`` that changes nothing, or a
+        load of the same values, changes no master)."""
         for op in self._all_pieces():
             if op.separate:
-                op.master.copy_(op.param)
+                written = op.param != op.master.to(op.param.dtype)
+                op.master.copy_(torch.where(written, op.param.to(op.master.dtype), op.master))
         self._versions_seen = self._param_versions()
 
     def _param_versions(self) -> int:
