@@ -1,13 +1,14 @@
-"""End to end: the example scripts, launched as users launch them, train to the numbers of
-single-device training with the same global batch.
+"""End to end: the example scripts train to the numbers of single-device training with the
+same global batch.
 
-Every script is the shared trainer (``example/trainer.py``) with its own strategy; the strategies
-the trainer builds are those of ``example/strategies.py``, which the benchmark test runs one by one
-(``tests/test_ledgers.py``). Launches start real processes (torchrun), so they are few and tiny:
-DDP, FSDP (also on two "nodes" with HSDP) and ZeRO-3 (its own partition table), gpt2_bytes, 3
-steps, the default corpus read from a token file (``corpus_bin``). Their stdout and stderr go to
-one pipe, as with ``> log 2>&1`` or a job scheduler: the log holds whole step lines and no
-progress-bar frames.
+Every script is the shared trainer (``example/trainer.py``) with its own strategy (checked
+below); the strategies the trainer builds are those of ``example/strategies.py``, which the
+benchmark test runs one by one (``tests/test_ledgers.py``). Launches start real processes
+(torchrun, 3 to 6 of them importing torch), so they are few and tiny: FSDP's script as a user
+launches it, on one node and on two "nodes" with HSDP; DDP and ZeRO-3 (its own partition table)
+run the same trainer on the test harness's two ranks. gpt2_bytes, 3 steps, the default corpus
+read from a token file (``corpus_bin``). A launch's stdout and stderr go to one pipe, as with
+``> log 2>&1`` or a job scheduler: the log holds whole step lines and no progress-bar frames.
 """
 
 import os
@@ -21,6 +22,7 @@ from typing import List
 import pytest
 
 from example import trainer
+from tests.harness import run_distributed
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 COMMON = ["--model", "gpt2_bytes", "--steps", "3", "--seq_len", "32", "--lr", "1e-3",
@@ -88,12 +90,39 @@ def test_each_script_is_the_trainer_with_its_strategy(strategy, monkeypatch):
     assert started == [strategy]
 
 
-@pytest.mark.parametrize("strategy", ["ddp", "zero3", "fsdp"])
-def test_example_matches_single_device(strategy, common, single_device_losses):
-    out = _run([*_torchrun(2), f"example/{strategy}/train.py", *common, "--batch_size", "2"])
+def test_the_fsdp_example_launched_with_torchrun_matches_single_device(
+    common, single_device_losses
+):
+    out = _run([*_torchrun(2), "example/fsdp/train.py", *common, "--batch_size", "2"])
     losses = _losses(out)
     for ours, ref in zip(losses, single_device_losses):
-        assert abs(ours - ref) <= LOSS_ATOL, (strategy, losses, single_device_losses)
+        assert abs(ours - ref) <= LOSS_ATOL, (losses, single_device_losses)
+
+
+def _trainer_on_the_ranks(rank: int, world_size: int, strategy: str, argv: List[str]) -> list:
+    """The trainer on a harness rank, leaving the harness's process group as it found it (at
+    its end the trainer destroys a torchrun job's group; it sets its collective timeout)."""
+    import torch.distributed as dist
+
+    from tiny_fsdp.core.utils.dist import get_collective_timeout, set_collective_timeout
+
+    timeout, destroy = get_collective_timeout(), dist.destroy_process_group
+    dist.destroy_process_group = lambda *args, **kwargs: None
+    try:
+        return trainer.main(strategy, argv)
+    finally:
+        dist.destroy_process_group = destroy
+        if timeout is not None:
+            set_collective_timeout(timeout)
+
+
+@pytest.mark.parametrize("strategy", ["ddp", "zero3"])
+def test_the_trainer_on_two_ranks_matches_single_device(strategy, common, single_device_losses):
+    argv = [*common, "--batch_size", "2"]
+    for losses in run_distributed(_trainer_on_the_ranks, 2, strategy, argv):  # every rank's
+        assert len(losses) == 3, losses
+        for ours, ref in zip(losses, single_device_losses):
+            assert abs(ours - ref) <= LOSS_ATOL, (strategy, losses, single_device_losses)
 
 
 def test_fsdp_hsdp_across_two_torchrun_nodes_of_two_ranks(common, single_device_losses, tmp_path):
