@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import ast
 import atexit
+import contextlib
 import faulthandler
 import importlib.abc
 import importlib.machinery
@@ -47,7 +48,7 @@ import threading
 import time
 import traceback
 from multiprocessing.connection import Connection, wait
-from typing import Any, Callable, Optional, Sequence
+from typing import Any, Callable, Iterator, Optional, Sequence
 
 import pytest
 
@@ -189,6 +190,25 @@ def run_script_ranks(script: str, world_size: int, timeout: float = 120.0) -> li
         for p in procs:
             p.kill()
     return [(p.returncode, out) for p, out in zip(procs, outs)]
+
+
+@contextlib.contextmanager
+def as_a_launched_job() -> Iterator[None]:
+    """Inside ``fn``: run code written for a torchrun job (the example trainer sets the
+    collective timeout and destroys the default process group at its end) on a harness rank,
+    leaving the pool's process group as it was."""
+    import torch.distributed as dist
+
+    from tiny_fsdp.core.utils.dist import get_collective_timeout, set_collective_timeout
+
+    timeout, destroy = get_collective_timeout(), dist.destroy_process_group
+    dist.destroy_process_group = lambda *args, **kwargs: None
+    try:
+        yield
+    finally:
+        dist.destroy_process_group = destroy
+        if timeout is not None:
+            set_collective_timeout(timeout)
 
 
 def shutdown_pools() -> None:

@@ -22,7 +22,7 @@ from typing import List
 import pytest
 
 from example import trainer
-from tests.harness import run_distributed
+from tests.harness import as_a_launched_job, run_distributed
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 COMMON = ["--model", "gpt2_bytes", "--steps", "3", "--seq_len", "32", "--lr", "1e-3",
@@ -100,20 +100,8 @@ def test_the_fsdp_example_launched_with_torchrun_matches_single_device(
 
 
 def _trainer_on_the_ranks(rank: int, world_size: int, strategy: str, argv: List[str]) -> list:
-    """The trainer on a harness rank, leaving the harness's process group as it found it (at
-    its end the trainer destroys a torchrun job's group; it sets its collective timeout)."""
-    import torch.distributed as dist
-
-    from tiny_fsdp.core.utils.dist import get_collective_timeout, set_collective_timeout
-
-    timeout, destroy = get_collective_timeout(), dist.destroy_process_group
-    dist.destroy_process_group = lambda *args, **kwargs: None
-    try:
+    with as_a_launched_job():
         return trainer.main(strategy, argv)
-    finally:
-        dist.destroy_process_group = destroy
-        if timeout is not None:
-            set_collective_timeout(timeout)
 
 
 @pytest.mark.parametrize("strategy", ["ddp", "zero3"])

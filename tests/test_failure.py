@@ -10,9 +10,9 @@ Inside ``fail_fast`` ([Note: fail fast]):
 - only communication errors are blamed on a peer: an error every rank raises stays its own.
 
 The example trainer (``@fail_fast`` on ``main``), launched as N processes: every rank exits
-non-zero naming the failed rank, in seconds. With ``--on_nonfinite skip`` a NaN on one rank
-skips that step on every rank; with ``error`` (the default) training stops with a message
-naming the step.
+non-zero naming the failed rank, in seconds. On the harness's ranks, with ``--on_nonfinite
+skip`` a NaN on one rank skips that step on every rank; with ``error`` (the default) training
+stops with a message naming the step.
 
 Faults are injected by hooks on the GPT-2 blocks at forward number ``FAIL_STEP`` of one rank:
 in block 1's forward, or in the backward reaching block 0's output (after the later layers
@@ -20,6 +20,7 @@ already reduced their gradients). This file is also the trainer tests' entry poi
 """
 
 import contextlib
+import io
 import os
 import re
 import socket
@@ -35,7 +36,7 @@ import torch.distributed as dist
 from torch import nn
 
 from tests.build import adamw, build
-from tests.harness import DistributedRunError, run_distributed
+from tests.harness import DistributedRunError, as_a_launched_job, run_distributed
 from tests.parity import global_batch, lm_loss, local_slice, make_model
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -427,11 +428,17 @@ def _logged(out: str) -> List[Tuple[int, float, str]]:
     return [(int(step), float(loss), rest) for step, loss, rest in lines]
 
 
+def _printed_by_the_trainer(rank: int, world_size: int, argv: List[str]) -> str:
+    """What the trainer with a fault printed on this harness rank (it returns on every rank)."""
+    printed = io.StringIO()
+    with as_a_launched_job(), contextlib.redirect_stdout(printed):
+        _trainer_with_fault(argv)
+    return printed.getvalue()
+
+
 def test_trainer_skips_a_nonfinite_step_on_every_rank(text_file: str) -> None:
     argv = ["zero2", "nan", "1", "1", *_trainer_args(text_file, "--on_nonfinite", "skip")]
-    results, _ = _launch(2, argv)
-    assert [code for code, _, _ in results] == [0, 0], results
-    logged = _logged(results[0][1])
+    logged = _logged(run_distributed(_printed_by_the_trainer, 2, argv)[0])
     assert [step for step, _, _ in logged] == [0, 1, 2, 3]
     # Rank 0's loss was finite; its averaged gradients were not (rank 1's NaNs are in the
     # average). ZeRO-2's step all-gathers parameters: a rank stepping alone would hang.
