@@ -34,6 +34,7 @@ import contextlib
 import faulthandler
 import importlib.abc
 import importlib.machinery
+import io
 import multiprocessing
 import multiprocessing.util  # noqa: F401  (imported before our atexit hook; see below)
 import os
@@ -209,6 +210,14 @@ def as_a_launched_job() -> Iterator[None]:
         dist.destroy_process_group = destroy
         if timeout is not None:
             set_collective_timeout(timeout)
+
+
+def printed_by_a_launched_job(call: Callable[[], Any]) -> str:
+    """Inside ``fn``: what ``call()`` prints to stdout, run ``as_a_launched_job``."""
+    printed = io.StringIO()
+    with as_a_launched_job(), contextlib.redirect_stdout(printed):
+        call()
+    return printed.getvalue()
 
 
 def shutdown_pools() -> None:

@@ -20,7 +20,6 @@ already reduced their gradients). This file is also the trainer tests' entry poi
 """
 
 import contextlib
-import io
 import os
 import re
 import socket
@@ -36,7 +35,7 @@ import torch.distributed as dist
 from torch import nn
 
 from tests.build import adamw, build
-from tests.harness import DistributedRunError, as_a_launched_job, run_distributed
+from tests.harness import DistributedRunError, printed_by_a_launched_job, run_distributed
 from tests.parity import global_batch, lm_loss, local_slice, make_model
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -429,11 +428,7 @@ def _logged(out: str) -> List[Tuple[int, float, str]]:
 
 
 def _printed_by_the_trainer(rank: int, world_size: int, argv: List[str]) -> str:
-    """What the trainer with a fault printed on this harness rank (it returns on every rank)."""
-    printed = io.StringIO()
-    with as_a_launched_job(), contextlib.redirect_stdout(printed):
-        _trainer_with_fault(argv)
-    return printed.getvalue()
+    return printed_by_a_launched_job(lambda: _trainer_with_fault(argv))
 
 
 def test_trainer_skips_a_nonfinite_step_on_every_rank(text_file: str) -> None:

@@ -3,8 +3,7 @@ logits as ``transformers``' own model, from safetensors and from ``pytorch_model
 examples start training from them."""
 
 import os
-import subprocess
-import sys
+from typing import List
 
 import pytest
 import torch
@@ -12,11 +11,11 @@ import torch.nn.functional as F
 
 from example.data import TokenBatches, load_tokens
 from example.tokenizer import ByteTokenizer
+from tests.harness import printed_by_a_launched_job, run_distributed
 from tiny_fsdp.models.hf_gpt2 import load_hf_gpt2
 
 transformers = pytest.importorskip("transformers")
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # Same math in the same order up to the Conv1D transpose (x @ W vs x @ W^T.T): float32 rounding.
 LOGITS_ATOL = 1e-5
 # The examples print the loss with 4 decimals.
@@ -66,6 +65,12 @@ def test_a_directory_without_weights_says_what_is_expected(tmp_path):
         load_hf_gpt2(str(tmp_path))
 
 
+def _fsdp_trainer_output(rank: int, world_size: int, argv: List[str]) -> str:
+    from example import trainer
+
+    return printed_by_a_launched_job(lambda: trainer.main("fsdp", argv))
+
+
 def test_examples_start_from_the_saved_weights(saved, corpus_bin):
     """Step 0's loss (before any update) is the saved model's loss on the same global batch.
 
@@ -76,17 +81,8 @@ def test_examples_start_from_the_saved_weights(saved, corpus_bin):
     args = ["--init_from", directory, "--steps", "1", "--seq_len", "16", "--batch_size", "2",
             "--device", "cpu", "--log_every", "1", "--tokenizer", "byte",
             "--data", corpus_bin]  # fmt: skip
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
-    proc = subprocess.run(
-        [*cmd, "example/fsdp/train.py", *args],
-        cwd=ROOT,
-        env=dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=ROOT),
-        capture_output=True,
-        text=True,
-        timeout=240,
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    logged = float(proc.stdout.split("step     0 | loss ")[1].split()[0])
+    printed = run_distributed(_fsdp_trainer_output, 2, args)[0]  # rank 0 prints
+    logged = float(printed.split("step     0 | loss ")[1].split()[0])
 
     # 2 ranks x 2 sequences read exactly the tokens of one process with 4 (example/data.py).
     tokens = load_tokens(corpus_bin, ByteTokenizer())
