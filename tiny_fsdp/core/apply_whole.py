@@ -1,4 +1,4 @@
-"""``model.apply(fn)`` on a wrapped model: ``fn`` sees each module's parameters whole.
+"""``model.apply(fn)`` on a wrapped model: ``fn`` sees every parameter whole.
 
 [Note: apply with whole parameters]
 Between steps FSDP holds a dim-0 shard of each parameter and ZeRO-3 the tensors it owns, so
