@@ -10,12 +10,13 @@ flat layout ([Note: ZeRO flat layout]) and differ only in the store they plug in
   reduction then leaves the average in this rank's chunk of b. Only the owned chunks are
   meaningful afterwards: ``param.grad`` is not guaranteed to be the average. Without asynchronous
   communication every bucket is reduced at the end of backward.
-- ``StagedGradShard`` (ZeRO-2) keeps only a gradient shard (``shard_numel``,). A synchronised hook
-  copies ``param.grad / N`` into its bucket's staging buffer and sets ``param.grad = None``; a
-  complete bucket is reduced at once (``reduces_eagerly``), its chunk lands in the shard and its
-  staging buffer is dropped as soon as the collective is done, so full-size gradients live bucket
-  by bucket, never all at once: with asynchronous communication at most ``max_in_flight`` = 1
-  reduction stays unfinished while the next bucket fills. A bucket that is one parameter and
+- ``StagedGradShard`` (ZeRO-2) keeps only a gradient shard (a ``ShardBuffer``: its chunk of every
+  bucket, ``shard_numel`` elements in all). A synchronised hook copies ``param.grad / N`` into
+  its bucket's staging buffer and sets ``param.grad = None``; a complete bucket is reduced at
+  once (``reduces_eagerly``), its chunk lands in the shard and its staging buffer is dropped as
+  soon as the collective is done, so full-size gradients live bucket by bucket, never all at
+  once: with asynchronous communication at most ``max_in_flight`` = 1 reduction stays
+  unfinished while the next bucket fills. A bucket that is one parameter and
   needs no padding (a large embedding has a bucket of its own) stages in the gradient itself,
   divided in place: no buffer and no copy (on gpt2_mini's 51 MB ``wte`` a fresh buffer cost
   about 40 ms a step on CPU, in page faults). Inside ``no_sync()`` the full local ``param.grad``
