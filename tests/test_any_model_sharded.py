@@ -62,7 +62,10 @@ class ReaderOutput:
 
 class ReaderLM(nn.Module):
     """The parent reads a child's 0-d parameter and the embedding's weight (tied head); torch's
-    ``nn.MultiheadAttention`` reads its child ``out_proj``'s weight and bias in one op."""
+    ``nn.MultiheadAttention`` reads its child ``out_proj``'s weight and bias in one op; the
+    parent hands two embeddings' weights to other modules as arguments (DeBERTa's relative
+    position table through its LayerNorm): to a registered layer, and by keyword to a module
+    of its own."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -73,9 +76,13 @@ class ReaderLM(nn.Module):
         # cancels: its gradient is float32 noise that AdamW turns into +-lr steps (see _zoo).
         self.attn.in_proj_bias.requires_grad_(False)
         self.norm = OwnRMSNorm(WIDTH)
+        self.rel, self.rel_norm = nn.Embedding(5, WIDTH), nn.LayerNorm(WIDTH)
+        self.pos, self.pos_norm = nn.Embedding(SEQ_LEN, WIDTH), OwnRMSNorm(WIDTH)
 
     def forward(self, idx: torch.Tensor) -> ReaderOutput:
         h, skip = self.holder(self.wte(idx))
+        rel = self.rel_norm(self.rel.weight)  # (5, WIDTH)
+        h = h + rel.mean(0) + self.pos_norm(x=self.pos.weight)  # (B, SEQ_LEN, WIDTH)
         h = h + self.attn(h, h, h, need_weights=False)[0]
         h = self.norm(h + skip) * self.holder.scale.exp()  # read outside the holder's forward
         return ReaderOutput(logits=F.linear(h, self.wte.weight))

@@ -11,7 +11,10 @@ with ``OutsideReadWatch``:
 - a ``TorchFunctionMode`` sees every torch op; one that consumes a local parameter while no
   wrapper layer is computing and no strategy code runs (``layer.strategy_code``) is a read
   *outside* the layer. The reader is the innermost module whose forward is running (module
-  hooks keep the stack during the watch).
+  hooks keep the stack during the watch). A local parameter handed to a module call as an
+  argument (DeBERTa's encoder passing ``rel_embeddings.weight`` to its LayerNorm) is read by
+  the caller: the callee may be a wrapper layer, which the watch does not look into, and in
+  later forwards only the caller's swap makes the attribute it reads the full tensor.
 - the parameter is added to the reader's ``GenericLayer`` (attached if it has none) as a
   *foreign* ``FullParam``: its owner layer's handler fetches it, it is filled and registered
   at once, and the op runs with the full tensor. From then on the reader's own hooks fetch it
@@ -29,7 +32,7 @@ collectives: nothing hangs. Limits: a read that only happens in a later forward 
 read outside may not be shared by two layers of one FSDP gather unit.
 """
 
-from typing import Any, Callable, Dict, List, Tuple
+from typing import Any, Callable, Dict, Iterable, List, Tuple
 
 import torch
 from torch import nn
@@ -108,7 +111,9 @@ class _Watch(TorchFunctionMode):
     def run(self, forward: Callable[[], Any]) -> Any:
         handles = []
         for module in self.watch.root.modules():
-            handles.append(module.register_forward_pre_hook(self._push, prepend=True))
+            handles.append(
+                module.register_forward_pre_hook(self._push, prepend=True, with_kwargs=True)
+            )
             handles.append(module.register_forward_hook(self._pop, always_call=True))
         try:
             with self:
@@ -117,8 +122,17 @@ class _Watch(TorchFunctionMode):
             for handle in handles:
                 handle.remove()
 
-    def _push(self, module: nn.Module, args: Any) -> None:
+    def _push(self, module: nn.Module, args: Any, kwargs: Dict[str, Any]) -> Any:
+        # A parameter handed to a module as an argument is read by the caller (DeBERTa's
+        # encoder passing ``rel_embeddings.weight`` to its LayerNorm): the caller's full tensor.
+        resolved = None
+        if self._reading():
+            new_args = tuple(self._resolve(a) for a in args)
+            new_kwargs = {k: self._resolve(v) for k, v in kwargs.items()}
+            if _changed(args, new_args) or _changed(kwargs.values(), new_kwargs.values()):
+                resolved = (new_args, new_kwargs)
         self.stack.append(module)
+        return resolved
 
     def _pop(self, module: nn.Module, args: Any, output: Any) -> None:
         if self.stack and self.stack[-1] is module:
@@ -126,10 +140,16 @@ class _Watch(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
         kwargs = kwargs or {}
-        if self.stack and not in_strategy_code() and not isinstance(self.stack[-1], CallbackModule):
+        if self._reading():
             args = tuple(self._resolve(a) for a in args)
             kwargs = {k: self._resolve(v) for k, v in kwargs.items()}
         return func(*args, **kwargs)
+
+    def _reading(self) -> bool:
+        """True while model code of a module that is not a wrapper layer runs."""
+        return bool(
+            self.stack and not in_strategy_code() and not isinstance(self.stack[-1], CallbackModule)
+        )
 
     def _resolve(self, value: Any) -> Any:
         if isinstance(value, torch.Tensor):
@@ -153,6 +173,10 @@ class _Watch(TorchFunctionMode):
         layer.add_while_computing(param)
         self.watch.found.append((param.name, self.watch.module_path(reader)))
         return param.full
+
+
+def _changed(before: Iterable[Any], after: Iterable[Any]) -> bool:
+    return any(a is not b for a, b in zip(before, after))
 
 
 def _suspend_in_owners(param: FullParam) -> None:
