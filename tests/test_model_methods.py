@@ -36,13 +36,14 @@ class Decoder(nn.Module):
         self.embed = nn.Embedding(VOCAB, WIDTH)
         self.blocks = nn.ModuleList(nn.Sequential(nn.LayerNorm(WIDTH), nn.Linear(WIDTH, WIDTH))
                                     for _ in range(2))  # fmt: skip
+        self.gain = nn.Parameter(torch.ones(WIDTH))  # a raw parameter: the generic path
         self.head = nn.Linear(WIDTH, VOCAB)
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:  # (B, T) -> (B, T, VOCAB)
         h = self.embed(idx)
         for block in self.blocks:
             h = h + torch.tanh(block(h))
-        return self.head(h)
+        return self.head(h * self.gain)
 
     def loss(self, idx: torch.Tensor) -> torch.Tensor:
         logits = self(idx[:, :-1])
@@ -96,6 +97,9 @@ def _methods_worker(rank: int, world_size: int) -> Dict[str, float]:
     for strategy in STRATEGIES:
         model, opt = build(strategy, copy.deepcopy(plain), sgd(lr=0.5))
         assert model.config is model.module.config  # an attribute of the model
+        with torch.inference_mode():  # evaluation first: what a fetch keeps must still train
+            assert torch.equal(model(prompt), plain(prompt))
+            assert torch.equal(model.generate(prompt, 4), plain.generate(prompt, 4))
         assert torch.equal(model.generate(prompt, 4), plain.generate(prompt, 4))
         with pytest.raises(AttributeError, match="no_such_thing"):
             model.no_such_thing

@@ -108,7 +108,10 @@ class GenericLayer:
         by_owner: Dict[int, Tuple[nn.Module, List[FullParam]]] = {}
         for param in params:
             by_owner.setdefault(id(param.owner), (param.owner, []))[1].append(param)
-        with strategy_code():
+        # The full tensor objects outlive this forward: made under
+        # torch.inference_mode() (evaluation first) they would be inference tensors, which a
+        # later training forward cannot save for backward. So they are made with it off.
+        with strategy_code(), torch.inference_mode(False):
             for owner, members in by_owner.values():
                 handler = owner.param_handler
                 fetched = handler.fetch(owner, phase)
