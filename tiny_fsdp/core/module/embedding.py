@@ -47,7 +47,13 @@ class Embedding(CallbackModule, nn.Embedding):
         grad_weight = None
         if ctx.param_needs_grad[0]:
             flat_grad = grad_output.reshape(idx.numel(), weight.shape[1])  # (N, dim)
-            grad_weight = torch.zeros_like(weight).index_add_(0, idx.reshape(-1), flat_grad)
+            # A row looked up thousands of times (a frequent token) sums thousands of terms:
+            # in fp32, rounded once to a low-precision weight's dtype, whatever a device's
+            # index_add_ does in that dtype (tests/test_module.py checks one rounding).
+            acc = torch.float32 if weight.element_size() < 4 else weight.dtype
+            grad_weight = torch.zeros(weight.shape, dtype=acc, device=weight.device)
+            grad_weight.index_add_(0, idx.reshape(-1), flat_grad.to(acc))
+            grad_weight = grad_weight.to(weight.dtype)
             if self.padding_idx is not None:
                 grad_weight[self.padding_idx] = 0
         return (None,), (grad_weight,)
