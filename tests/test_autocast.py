@@ -15,6 +15,7 @@ from torch import nn
 
 from example.model import GPTConfigs
 from tests.build import adamw, build
+from tests.devices import CPU_AND_CUDA
 from tests.harness import run_distributed
 from tests.parity import LOSS_ATOL, PARAM_ATOL, global_batch, local_slice, make_model
 from tiny_fsdp.core.module import CallbackModule, convert_module
@@ -69,11 +70,7 @@ def _layers() -> Dict[str, Tuple[nn.Module, Callable[[], torch.Tensor]]]:
     }
 
 
-CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-DEVICES = ["cpu", pytest.param("cuda", marks=[pytest.mark.cuda, CUDA])]
-
-
-@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("device", CPU_AND_CUDA)
 @pytest.mark.parametrize("dtype", LOW, ids=str)
 @pytest.mark.parametrize("name", list(_layers()))
 def test_each_wrapper_computes_as_its_torch_layer(name: str, dtype: torch.dtype, device: str):

@@ -7,6 +7,7 @@ import pytest
 import torch
 from torch import nn
 
+from tests.devices import CPU_AND_CUDA
 from tiny_fsdp.core.module import (
     CallbackModule,
     Embedding,
@@ -96,10 +97,7 @@ def test_embedding_matches_torch(dtype, shape, padding_idx):
         assert ours.weight.grad[emb.padding_idx].abs().sum().item() == 0.0
 
 
-CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-
-
-@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=[pytest.mark.cuda, CUDA])])
+@pytest.mark.parametrize("device", CPU_AND_CUDA)
 def test_embedding_sums_a_frequent_rows_gradient_as_precisely_as_one_rounding(device):
     """A bf16 row looked up 4096 times (a frequent token) gets the sum of its 4096 gradient
     rows rounded once: within 2^-8 (one bf16 rounding) of the float64 sum. Summed in bf16, as

@@ -50,7 +50,7 @@ class Embedding(CallbackModule, nn.Embedding):
             # A row looked up thousands of times (a frequent token) sums thousands of terms:
             # in fp32, rounded once to a low-precision weight's dtype, whatever a device's
             # index_add_ does in that dtype (tests/test_module.py checks one rounding).
-            acc = torch.float32 if weight.element_size() < 4 else weight.dtype
+            acc = torch.promote_types(weight.dtype, torch.float32)
             grad_weight = torch.zeros(weight.shape, dtype=acc, device=weight.device)
             grad_weight.index_add_(0, idx.reshape(-1), flat_grad.to(acc))
             grad_weight = grad_weight.to(weight.dtype)
