@@ -69,6 +69,7 @@ from tiny_fsdp.core.precision import (
     register_forward_casts,
 )
 from tiny_fsdp.core.utils.arrival import announce_exit, every_rank_arrives
+from tiny_fsdp.core.utils.lockstep import mark_lockstep
 from tiny_fsdp.core.utils.dist import check_backend_device, require_process_group
 from tiny_fsdp.core.utils.recompute import gradient_checkpointing, set_gradient_checkpointing
 from tiny_fsdp.core.wrap_checks import (
@@ -151,6 +152,7 @@ class DataParallelWrapper(nn.Module):
             self.module.register_load_state_dict_pre_hook(_load_full_tensors_hook)
             self.module.register_load_state_dict_post_hook(_after_load_hook)
             self.module.register_forward_pre_hook(_arrival_hook(type(self).__name__))
+            mark_lockstep(self.module)  # [Note: forwards in lockstep]
 
     def _check_and_claim(self) -> None:
         """[Note: wrap-time checks]; then every parameter is tagged as this wrapper's."""
@@ -567,9 +569,9 @@ def _after_load_hook(module: nn.Module, incompatible_keys: Any) -> None:
 
 
 _FORWARD_FIX = (
-    "Each forward gathers parameters from every rank: evaluate and generate on every rank (with "
-    "HuggingFace's generate, synced_gpus=True when the ranks' lengths can differ) and print or "
-    "save on rank 0 only."
+    "Each forward gathers parameters from every rank: evaluate and generate on every rank, with "
+    "as many forwards on each (HuggingFace's generate sees to that itself), and print or save "
+    "on rank 0 only."
 )
 
 

@@ -1,0 +1,124 @@
+"""Specification: code that decides per rank which forwards run keeps the ranks in step under
+FSDP and ZeRO-3, whose forwards are collectives, as it does under torch's FSDP2 ([Note:
+forwards in lockstep] in ``tiny_fsdp/core/utils/lockstep.py``).
+
+- HuggingFace ``generate`` with prompts whose sequences end at different lengths on different
+  ranks, with its default ``synced_gpus``: each rank gets what the plain model generates, and
+  training goes on after it. (Before the mark, the rank that finished first went on to train
+  while the other still generated: a hang.)
+- HuggingFace LayerDrop (a speech model's ``layerdrop``) with a different random stream per rank
+  (``torch.manual_seed(seed + rank)``, nanoGPT's habit): trains as FSDP2 ``fully_shard`` does,
+  bit for bit (HF's synchronised mode runs every layer on every rank).
+"""
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from tests.build import build, sgd
+from tests.harness import run_distributed
+
+GATHERING = ("fsdp", "zero3")
+NEW_TOKENS, STEPS = 24, 3
+
+
+def _gpt2():
+    import transformers
+
+    transformers.logging.set_verbosity_error()
+    torch.manual_seed(0)
+    config = transformers.GPT2Config(
+        n_layer=2, n_head=2, n_embd=12, n_positions=64, vocab_size=37,
+        bos_token_id=0, eos_token_id=5, pad_token_id=0,
+    )  # fmt: skip
+    return transformers.GPT2LMHeadModel(config).eval()
+
+
+def _sample(model, prompt: torch.Tensor, seed: int) -> torch.Tensor:
+    torch.manual_seed(seed)
+    with torch.no_grad():
+        return model.generate(prompt, max_new_tokens=NEW_TOKENS, do_sample=True, top_k=0)
+
+
+def _generate_then_train(rank: int, world_size: int, strategy: str) -> int:
+    plain = _gpt2()
+    prompt = torch.randint(6, 37, (1, 4), generator=torch.Generator().manual_seed(rank))
+    # Rank 0 samples a sequence that ends early (eos), the others one that runs to the limit.
+    full = prompt.shape[1] + NEW_TOKENS
+    seed = next(s for s in range(200) if (_sample(plain, prompt, s).shape[1] < full) == (rank == 0))
+    expected = _sample(plain, prompt, seed)
+    lengths = [None] * world_size
+    dist.all_gather_object(lengths, expected.shape[1])
+    assert len(set(lengths)) > 1, f"the ranks' sequences must end apart: {lengths}"
+
+    model, optimizer = build(strategy, _gpt2(), sgd(lr=0.1))
+    assert torch.equal(_sample(model, prompt, seed), expected)
+    model.train()
+    loss = model(input_ids=prompt, labels=prompt).loss
+    loss.backward()
+    optimizer.step()
+    return len(model.state_dict())  # a gather on every rank: the ranks are still in step
+
+
+@pytest.mark.parametrize("strategy", GATHERING)
+def test_hf_generate_ends_each_ranks_sequences_where_they_end(strategy: str) -> None:
+    pytest.importorskip("transformers")
+    counts = run_distributed(_generate_then_train, 2, strategy, timeout=60.0)
+    assert counts[0] == counts[1] > 0
+
+
+def _wav2vec2():
+    import transformers
+
+    transformers.logging.set_verbosity_error()
+    torch.manual_seed(0)
+    config = transformers.Wav2Vec2Config(
+        vocab_size=12, hidden_size=12, num_hidden_layers=2, num_attention_heads=2,
+        intermediate_size=20, conv_dim=(8, 8), conv_stride=(5, 2), conv_kernel=(10, 3),
+        num_conv_pos_embeddings=4, num_conv_pos_embedding_groups=2, hidden_dropout=0.0,
+        attention_dropout=0.0, activation_dropout=0.0, feat_proj_dropout=0.0, final_dropout=0.0,
+        layerdrop=0.5, mask_time_prob=0.0, pad_token_id=0, ctc_loss_reduction="mean",
+    )  # fmt: skip
+    return transformers.Wav2Vec2ForCTC(config)
+
+
+def _train_with_layerdrop(model, optimizer, rank: int) -> list:
+    torch.manual_seed(100 + rank)  # each rank its own draws: LayerDrop picks layers per rank
+    losses = []
+    for step in range(STEPS):
+        g = torch.Generator().manual_seed(10 * step + rank)
+        audio, labels = torch.randn(2, 400, generator=g), torch.randint(1, 12, (2, 3), generator=g)
+        loss = model(input_values=audio, labels=labels).loss
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(loss.item())
+    return losses
+
+
+def _layerdrop_against_fsdp2(rank: int, world_size: int) -> dict:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    theirs = _wav2vec2()
+    mesh = init_device_mesh("cpu", (world_size,))
+    for layer in theirs.wav2vec2.encoder.layers:
+        fully_shard(layer, mesh=mesh)
+    fully_shard(theirs, mesh=mesh)
+    their_losses = _train_with_layerdrop(theirs, torch.optim.SGD(theirs.parameters(), lr=0.1), rank)
+    expected = {k: v.full_tensor() for k, v in theirs.state_dict().items()}
+    gaps = {}
+    for strategy in GATHERING:
+        model, optimizer = build(strategy, _wav2vec2(), sgd(lr=0.1))
+        assert _train_with_layerdrop(model, optimizer, rank) == their_losses, strategy
+        full = model.state_dict()
+        gaps[strategy] = max((full[k] - v).abs().max().item() for k, v in expected.items())
+    return gaps
+
+
+def test_layerdrop_with_per_rank_random_streams_trains_as_fsdp2() -> None:
+    pytest.importorskip("transformers")
+    for gaps in run_distributed(_layerdrop_against_fsdp2, 2, timeout=90.0):
+        # Same layers, same kernels, same reduction order as FSDP2 on gloo: bit for bit
+        # (measured 0.0).
+        assert gaps == {strategy: 0.0 for strategy in GATHERING}
