@@ -55,6 +55,10 @@ class Decoder(nn.Module):
             idx = torch.cat([idx, self(idx)[:, -1:].argmax(-1)], dim=1)
         return idx
 
+    def init_weights(self, seen: Dict[str, tuple]) -> None:
+        """The model initialising itself, called after wrapping (torchtitan's habit)."""
+        self.apply(_init(seen))
+
 
 def _batch(step: int, rank: int) -> torch.Tensor:
     return torch.randint(VOCAB, (3, 7), generator=torch.Generator().manual_seed(10 * step + rank))
@@ -134,9 +138,10 @@ def _init(seen: Dict[str, tuple]):
     return init
 
 
-def _apply_worker(rank: int, world_size: int) -> List[str]:
-    """``model.apply(init)`` after wrapping gives, on every rank, the parameters ``plain.apply``
-    gives on one device, draw for draw, and the model trains on from them as torch DDP does."""
+def _apply_worker(rank: int, world_size: int, how: str) -> List[str]:
+    """``model.apply(init)`` after wrapping, or the model's own ``model.init_weights()``, gives
+    on every rank the parameters ``plain.apply`` gives on one device, draw for draw, and the
+    model trains on from them as torch DDP does."""
     torch.manual_seed(0)
     plain, want_seen = Decoder(), {}
     torch.manual_seed(7)
@@ -148,7 +153,10 @@ def _apply_worker(rank: int, world_size: int) -> List[str]:
         model, opt = build(strategy, Decoder(), sgd(lr=0.5))
         seen = {}
         torch.manual_seed(7)
-        assert model.apply(_init(seen)) is model
+        if how == "apply":
+            assert model.apply(_init(seen)) is model
+        else:
+            model.init_weights(seen)
         assert seen == want_seen, (strategy, "init saw shards", seen)  # whole tensors
         state = model.state_dict()
         for key, value in plain.state_dict().items():
@@ -163,8 +171,9 @@ def _apply_worker(rank: int, world_size: int) -> List[str]:
     return checked
 
 
-def test_apply_after_wrapping_initialises_as_one_device_under_every_wrapper() -> None:
-    assert run_distributed(_apply_worker, 2)[0] == list(STRATEGIES)
+@pytest.mark.parametrize("how", ["apply", "init_weights"])
+def test_init_after_wrapping_gives_one_devices_draws_under_every_wrapper(how: str) -> None:
+    assert run_distributed(_apply_worker, 2, how)[0] == list(STRATEGIES)
 
 
 def _apply_changing_nothing_worker(rank: int, world_size: int) -> List[str]:

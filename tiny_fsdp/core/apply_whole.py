@@ -20,25 +20,57 @@ meta parameters]). Replicated strategies hold the tensors whole already: the sam
 re-derives what depends on the parameters (``after_load``: ZeRO-1/2's fp32 masters of
 low-precision parameters, for the elements ``fn`` wrote; an ``fn`` that writes nothing changes no
 bit of training). ``fn`` may change a parameter in place (``nn.init``, ``copy_``); replacing it
-would detach it from the strategy's buffers, so it raises. Code that writes to
-``model.module``'s parameters otherwise still acts on what this rank holds (the shard).
+would detach it from the strategy's buffers, so it raises. The model's own init methods called
+through the wrapper (``INIT_METHODS``: ``model.init_weights()`` after wrapping, as torchtitan
+calls it after ``fully_shard``; HuggingFace's ``post_init()``) run the same way, inside
+``whole_parameters``: without it FSDP's would draw the same rows on every rank. Other code that
+writes to the parameters (a method of ``model.module``, another method) still acts on what this
+rank holds (the shard).
 """
 
-from typing import Any, Callable, List, Tuple
+import contextlib
+import functools
+from typing import Any, Callable, Iterator, List, Tuple
 
 import torch
 from torch import nn
 
 from tiny_fsdp.core.utils.arrival import every_rank_arrives
 
-_FIX = "apply(fn) gathers every parameter: call it on every rank, with the same seed."
+_FIX = "it gathers every parameter: call it on every rank, with the same seed."
+
+#: Methods of a model that initialise its parameters: called through the wrapper
+#: (``model.init_weights()``), they run with every parameter whole, as ``apply`` does.
+INIT_METHODS = frozenset(
+    {"init_weights", "initialize_weights", "post_init", "reset_parameters", "init_parameters"}
+)
 
 
 def apply_whole(wrapper: Any, fn: Callable[[nn.Module], None]) -> None:
     """Run ``fn`` on every module of ``wrapper`` (a ``DataParallelWrapper``) as
     ``nn.Module.apply`` does, every parameter whole ([Note: apply with whole parameters])."""
+    with whole_parameters(wrapper, "apply(fn)"):
+        nn.Module.apply(wrapper, fn)
+
+
+def whole_method(wrapper: Any, method: Callable[..., Any], name: str) -> Callable[..., Any]:
+    """``method`` (one of the model's ``INIT_METHODS``) run with every parameter whole."""
+
+    @functools.wraps(method)
+    def run(*args: Any, **kwargs: Any) -> Any:
+        with whole_parameters(wrapper, f"{name}()"):
+            return method(*args, **kwargs)
+
+    return run
+
+
+@contextlib.contextmanager
+def whole_parameters(wrapper: Any, what: str) -> Iterator[None]:
+    """Inside, every parameter of ``wrapper``'s model is the full tensor; on exit each rank
+    keeps its part of what was written. ``what`` names the call in messages."""
+    kind = type(wrapper).__name__
     if wrapper.gathers_full_tensors:
-        every_rank_arrives(f"{type(wrapper).__name__}.apply()", _FIX)
+        every_rank_arrives(f"{kind}.{what}", f"{kind}.{what}: {_FIX}")
     managed = [(n, p) for n, p in wrapper.module.named_parameters() if wrapper.manages(p)]
     held: List[Tuple[nn.Parameter, torch.Tensor]] = []
     wrapper.before_load()
@@ -47,7 +79,7 @@ def apply_whole(wrapper: Any, fn: Callable[[nn.Module], None]) -> None:
             full = wrapper.full_tensor(param)  # a collective where the tensor is split
             held.append((param, param.data))
             param.data = full
-        nn.Module.apply(wrapper, fn)
+        yield
     finally:
         for param, local in held:
             whole, param.data = param.data, local
@@ -58,8 +90,7 @@ def apply_whole(wrapper: Any, fn: Callable[[nn.Module], None]) -> None:
         owner, _, leaf = name.rpartition(".")
         if getattr(wrapper.module.get_submodule(owner), leaf, None) is not param:
             raise RuntimeError(
-                f"{type(wrapper).__name__}.apply: fn replaced the parameter '{name}'; the "
-                "strategy holds the parameters in its own buffers, so fn may change them in "
-                "place only (nn.init.*_, param.copy_(...)). Replace parameters before wrapping "
-                "the model."
+                f"{kind}.{what} replaced the parameter '{name}'; the strategy holds the "
+                "parameters in its own buffers, so it may change them in place only "
+                "(nn.init.*_, param.copy_(...)). Replace parameters before wrapping the model."
             )

@@ -57,7 +57,7 @@ import torch.distributed as dist
 from torch import nn
 
 from tiny_fsdp.core import foreign_optimizers
-from tiny_fsdp.core.apply_whole import apply_whole
+from tiny_fsdp.core.apply_whole import INIT_METHODS, apply_whole, whole_method
 from tiny_fsdp.core.clip import HeldGrads, clip_grad_norm_
 from tiny_fsdp.core.local_state import LocalPiece, replicated_piece
 from tiny_fsdp.core.module import convert_module
@@ -222,14 +222,19 @@ class DataParallelWrapper(nn.Module):
         """An attribute the wrapper lacks is the model's (``model.config``,
         ``model.generate(...)``), as with torch's FSDP; the wrapper's own come first. A method
         of the model that calls the model trains as a call through the wrapper does (the hooks
-        are on the model's layers and parameters)."""
+        are on the model's layers and parameters); one that initialises the parameters
+        (``model.init_weights()``: ``INIT_METHODS``) runs with every parameter whole, as
+        ``apply`` ([Note: apply with whole parameters])."""
         try:
             return super().__getattr__(name)
         except AttributeError:
             module = self.__dict__.get("_modules", {}).get("module")
             if module is None:
                 raise
-            return getattr(module, name)
+            value = getattr(module, name)
+            if name in INIT_METHODS and callable(value):
+                return whole_method(self, value, name)
+            return value
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
