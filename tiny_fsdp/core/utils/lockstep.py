@@ -20,9 +20,9 @@ A model's own per-rank branch (``if x[0, 0] % 2: h = self.extra(h)``) is not see
 hangs the step as it would under FSDP2 (measured: gloo stops with "Received data size doesn't
 match"); ``TORCH_DISTRIBUTED_DEBUG=DETAIL`` has torch name the two ranks' collectives instead.
 
-Dynamo reads the same attribute (it treats such modules' parameters as inputs and sets
-``_fsdp_use_orig_params``, which is true here: the parameters are the model's own); it never
-traces these forwards anyway ([Note: torch.compile] in ``eager.py``).
+Dynamo reads the same attribute (it then treats the module's parameters as inputs, and requires
+``_fsdp_use_orig_params``, set too, which is true here: the parameters are the model's own); it
+never traces these forwards anyway ([Note: torch.compile] in ``eager.py``).
 """
 
 from torch import nn
