@@ -69,8 +69,8 @@ from tiny_fsdp.core.precision import (
     register_forward_casts,
 )
 from tiny_fsdp.core.utils.arrival import announce_exit, every_rank_arrives
-from tiny_fsdp.core.utils.lockstep import mark_lockstep
 from tiny_fsdp.core.utils.dist import check_backend_device, require_process_group
+from tiny_fsdp.core.utils.lockstep import mark_lockstep
 from tiny_fsdp.core.utils.recompute import gradient_checkpointing, set_gradient_checkpointing
 from tiny_fsdp.core.wrap_checks import (
     check_is_module,
