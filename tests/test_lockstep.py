@@ -11,9 +11,12 @@ forwards in lockstep] in ``tiny_fsdp/core/utils/lockstep.py``).
   bit for bit (HF's synchronised mode runs every layer on every rank).
 """
 
+from typing import Any, Dict, List
+
 import pytest
 import torch
 import torch.distributed as dist
+from torch import nn
 
 from tests.build import build, sgd
 from tests.harness import run_distributed
@@ -22,7 +25,7 @@ GATHERING = ("fsdp", "zero3")
 NEW_TOKENS, STEPS = 24, 3
 
 
-def _gpt2():
+def _gpt2() -> nn.Module:
     import transformers
 
     transformers.logging.set_verbosity_error()
@@ -34,7 +37,7 @@ def _gpt2():
     return transformers.GPT2LMHeadModel(config).eval()
 
 
-def _sample(model, prompt: torch.Tensor, seed: int) -> torch.Tensor:
+def _sample(model: nn.Module, prompt: torch.Tensor, seed: int) -> torch.Tensor:
     torch.manual_seed(seed)
     with torch.no_grad():
         return model.generate(prompt, max_new_tokens=NEW_TOKENS, do_sample=True, top_k=0)
@@ -67,7 +70,7 @@ def test_hf_generate_ends_each_ranks_sequences_where_they_end(strategy: str) -> 
     assert counts[0] == counts[1] > 0
 
 
-def _wav2vec2():
+def _wav2vec2() -> nn.Module:
     import transformers
 
     transformers.logging.set_verbosity_error()
@@ -82,7 +85,7 @@ def _wav2vec2():
     return transformers.Wav2Vec2ForCTC(config)
 
 
-def _train_with_layerdrop(model, optimizer, rank: int) -> list:
+def _train_with_layerdrop(model: nn.Module, optimizer: Any, rank: int) -> List[float]:
     torch.manual_seed(100 + rank)  # each rank its own draws: LayerDrop picks layers per rank
     losses = []
     for step in range(STEPS):
@@ -96,7 +99,7 @@ def _train_with_layerdrop(model, optimizer, rank: int) -> list:
     return losses
 
 
-def _layerdrop_against_fsdp2(rank: int, world_size: int) -> dict:
+def _layerdrop_against_fsdp2(rank: int, world_size: int) -> Dict[str, float]:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
