@@ -23,7 +23,7 @@ from tests.harness import run_distributed
 from tests.parity import PARAM_ATOL, global_batch, lm_loss, local_slice, make_model
 from tiny_fsdp.core import comm
 from tiny_fsdp.core.module import ParamHandler, convert_module
-from tiny_fsdp.core.overflow import OVERFLOW_FLAG_DTYPE
+from tiny_fsdp.core.overflow import AGREEMENT_BYTES
 from tiny_fsdp.core.precision import MixedPrecisionPolicy, apply_mixed_precision
 from tiny_fsdp.core.zero.grad_stores import FLAG_DTYPE
 
@@ -278,7 +278,7 @@ def _check_bf16(rank: int, world_size: int) -> None:
             if strategy in ("zero1", "zero2"):  # the "had a gradient" flags are no gradients
                 payload[policy]["all_reduce"] -= FLAG_DTYPE.itemsize * len(model.params)
             if strategy in ("zero3", "fsdp"):  # nor the flag of [Note: agreeing on overflow]
-                payload[policy]["all_reduce"] -= OVERFLOW_FLAG_DTYPE.itemsize
+                payload[policy]["all_reduce"] -= AGREEMENT_BYTES
         for kinds in (PARAM_KINDS, GRAD_KINDS):
             fp32 = sum(payload[None].get(k, 0) for k in kinds)
             bf16 = sum(payload[BF16].get(k, 0) for k in kinds)

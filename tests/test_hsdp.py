@@ -32,7 +32,7 @@ from tests.parity import (
 from tiny_fsdp.checkpoint import full_checkpoint_file, load_checkpoint, save_checkpoint
 from tiny_fsdp.core import comm
 from tiny_fsdp.core.fsdp import FSDP, FSDPSGD, FSDPAdamW, hsdp_mesh, shard_info
-from tiny_fsdp.core.overflow import OVERFLOW_FLAG_DTYPE
+from tiny_fsdp.core.overflow import AGREEMENT_BYTES
 from tiny_fsdp.core.precision import MixedPrecisionPolicy
 from tiny_fsdp.core.reductions import PendingReductions
 from tiny_fsdp.models.gpt2 import GPT2Model, GPTConfig
@@ -383,7 +383,7 @@ def _ledger(rank: int, world_size: int) -> List[Tuple]:
             expected_bytes["replicate", "all_reduce"] = padded // shard
             expected_calls["replicate", "all_reduce"] = 6
         if shard > 1:  # one flag: [Note: agreeing on overflow]
-            expected_bytes["shard", "all_reduce"] = OVERFLOW_FLAG_DTYPE.itemsize
+            expected_bytes["shard", "all_reduce"] = AGREEMENT_BYTES
             expected_calls["shard", "all_reduce"] = 1
         assert got == (expected_bytes, expected_calls), (replicas, shard, got)
         # Nothing else travelled: the totals are the labelled collectives.

@@ -32,7 +32,7 @@ from tiny_fsdp.core.memory import MemoryReport, allocated_bytes, memory_ledger, 
 from tiny_fsdp.core.module import CallbackModule, convert_module
 from tiny_fsdp.core.zero.grad_stores import FLAG_DTYPE
 from tiny_fsdp.core.optim import AdamW
-from tiny_fsdp.core.overflow import OVERFLOW_FLAG_DTYPE
+from tiny_fsdp.core.overflow import AGREEMENT_BYTES
 from tiny_fsdp.core.zero3 import zero3_partition_tensors
 from tiny_fsdp.estimate import estimate_memory, estimate_model
 
@@ -150,9 +150,9 @@ def _rows(shape: torch.Size) -> Tuple[int, int]:
     return (shape[0], math.prod(shape[1:])) if len(shape) else (1, 1)
 
 
-# FSDP and ZeRO-3 end each synchronised backward with a 1-element all-reduce ([Note: agreeing on
+# FSDP and ZeRO-3 end each synchronised backward with one small all-reduce ([Note: agreeing on
 # overflow]).
-OVERFLOW_FLAG = (1, OVERFLOW_FLAG_DTYPE.itemsize)
+OVERFLOW_FLAG = (1, AGREEMENT_BYTES)
 
 
 def _padded(numel: int, n: int) -> int:

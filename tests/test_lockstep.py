@@ -9,6 +9,10 @@ forwards in lockstep] in ``tiny_fsdp/core/utils/lockstep.py``).
 - HuggingFace LayerDrop (a speech model's ``layerdrop``) with a different random stream per rank
   (``torch.manual_seed(seed + rank)``, nanoGPT's habit): trains as FSDP2 ``fully_shard`` does,
   bit for bit (HF's synchronised mode runs every layer on every rank).
+- A model's own choice per rank (a block skipped on some ranks only) cannot be kept in step; with
+  identical blocks the gathers would pair across blocks and train wrong without a sign (as under
+  FSDP2). FSDP raises at the end of that backward instead ([Note: ranks out of step] in
+  ``tiny_fsdp/core/prefetch.py``), with prefetch on and off.
 """
 
 from typing import Any, Dict, List
@@ -125,3 +129,39 @@ def test_layerdrop_with_per_rank_random_streams_trains_as_fsdp2() -> None:
         # Same layers, same kernels, same reduction order as FSDP2 on gloo: bit for bit
         # (measured 0.0).
         assert gaps == {strategy: 0.0 for strategy in GATHERING}
+
+
+class _SkippingModel(nn.Module):
+    """Identical layers, so that gathers paired across them match in size (a layer of another
+    size would stop gloo instead); rank r skips block 1 + r (a LayerDrop whose draws differ)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(nn.Linear(8, 8) for _ in range(3))
+        self.head = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor, skip: int) -> torch.Tensor:  # (B, 8) -> (B, 8)
+        for index, block in enumerate(self.blocks):
+            if index != skip:
+                x = torch.tanh(block(x))
+        return self.head(x)
+
+
+def _skip_per_rank(rank: int, world_size: int, prefetch: bool) -> str:
+    torch.manual_seed(0)
+    model, optimizer = build(
+        "fsdp", _SkippingModel(), sgd(lr=0.1), enable_async_communication=prefetch
+    )
+    x = torch.randn(4, 8, generator=torch.Generator().manual_seed(rank))
+    model(x, skip=0).sum().backward()  # every rank skips the same block: in step, no error
+    optimizer.step()
+    optimizer.zero_grad()
+    with pytest.raises(RuntimeError, match="did not unshard the same units") as caught:
+        model(x, skip=1 + rank).sum().backward()
+    return str(caught.value)
+
+
+@pytest.mark.parametrize("prefetch", [True, False])
+def test_a_block_skipped_on_one_rank_only_raises_instead_of_training_wrong(prefetch: bool):
+    messages = run_distributed(_skip_per_rank, 2, prefetch)
+    assert messages[0] == messages[1]

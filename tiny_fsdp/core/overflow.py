@@ -12,9 +12,14 @@ hold is not finite", all-reduced with MAX over the ranks the shards are spread o
 is set, every rank adds NaN to the first element of each gradient it holds, and every rank's
 scaler skips, as under DDP (FSDP2 reduces its scaler's flag over the mesh for the same reason).
 Finite steps are untouched (0 is added), and without a scaler a non-finite gradient spoils the
-step either way. Cost per synchronised backward: a read of the local gradients (their extremes,
-which cannot overflow where a norm could) and an all-reduce of 4 bytes, without host
-synchronisation.
+step either way.
+
+The same all-reduce carries the check that the ranks are in step ([Note: ranks out of step] in
+``prefetch.py``): each rank adds its ``unshard_order`` and its negation, so the MAX gives the
+largest and minus the smallest; where they differ, the gradients are made non-finite as for an
+overflow, and the returned flag says so. Cost per synchronised backward: a read of the local
+gradients (their extremes, which cannot overflow where a norm could) and an all-reduce of
+``AGREEMENT_BYTES`` (12), without host synchronisation.
 """
 
 from typing import Optional, Sequence
@@ -24,7 +29,9 @@ import torch.distributed as dist
 
 from tiny_fsdp.core import comm
 
-OVERFLOW_FLAG_DTYPE = torch.float32  # one element, all-reduced per synchronised backward
+OVERFLOW_FLAG_DTYPE = torch.float32  # the agreement's elements; integers < 2**24 are exact
+#: Bytes all-reduced per synchronised backward: the overflow flag, the unshard order, its negation.
+AGREEMENT_BYTES = 3 * OVERFLOW_FLAG_DTYPE.itemsize
 
 
 @torch.no_grad()
@@ -33,19 +40,26 @@ def agree_on_overflow(
     device: torch.device,
     group: Optional[dist.ProcessGroup] = None,
     label: Optional[str] = None,
-) -> None:
+    unshard_order: int = 0,
+) -> torch.Tensor:
     """Make ``grads`` (this rank's, on ``device``) non-finite if any rank of ``group`` has a
-    non-finite gradient ([Note: agreeing on overflow]). A collective: every rank calls it."""
+    non-finite gradient, or another ``unshard_order`` (an integer < 2**24) than this rank
+    ([Note: agreeing on overflow]). A collective: every rank calls it. Returns a 0-dim bool
+    tensor on ``device``: True where the ranks' unshard orders differ (not read here, so no host
+    synchronisation)."""
     grads = [g for g in grads if g.numel()]
-    overflow = torch.zeros(1, dtype=OVERFLOW_FLAG_DTYPE, device=device)
+    flags = torch.zeros(3, dtype=OVERFLOW_FLAG_DTYPE, device=device)
+    flags[1], flags[2] = unshard_order, -unshard_order  # fills: no copy from the host
     if grads:
-        overflow = _extremes(grads).isfinite().logical_not().any()
-        overflow = overflow.to(OVERFLOW_FLAG_DTYPE).reshape(1)
-    comm.all_reduce(overflow, op=dist.ReduceOp.MAX, group=group, label=label)
+        flags[0] = _extremes(grads).isfinite().logical_not().any()
+    comm.all_reduce(flags, op=dist.ReduceOp.MAX, group=group, label=label)
+    out_of_step = flags[1] + flags[2] != 0  # the largest order minus the smallest
     if grads:
-        nan_if_overflow = torch.where(overflow[0] > 0, float("nan"), 0.0)  # 0-dim
+        spoil = (flags[0] > 0) | out_of_step
+        nan_if_spoilt = torch.where(spoil, float("nan"), 0.0)  # 0-dim
         firsts = [g[(0,) * g.dim()] for g in grads]  # 0-dim views, contiguous or not
-        torch._foreach_add_(firsts, nan_if_overflow)
+        torch._foreach_add_(firsts, nan_if_spoilt)
+    return out_of_step
 
 
 def _extremes(grads: Sequence[torch.Tensor]) -> torch.Tensor:

@@ -35,6 +35,20 @@ off:
 - The position in the order is searched forward from the last position, so a unit that is
   skipped or repeated does not derail the pass, and one that runs out of order just gets no
   prefetch. A unit that is already full is not prefetched.
+
+[Note: ranks out of step]
+Collectives pair in the order the ranks issue them. If one rank skips a unit that another runs
+(a LayerDrop of the model's own whose draws differ per rank, a branch on this rank's data), the
+next unshards pair across different units: of other sizes, gloo stops and NCCL hangs; of the
+same size (identical blocks), every rank computes with a mix of two blocks' parameters and
+trains wrong without a sign (measured: 8.9e-3 off torch's DDP after three SGD steps, as under
+FSDP2). So every unshard this prefetcher issues, on demand or ahead, folds the unit's index
+into ``unshard_order`` (a running hash below 2**24, over the whole run), and every
+synchronised backward compares it across the ranks in the all-reduce that already agrees on
+overflow ([Note: agreeing on overflow]); where it differs, the gradients are made non-finite
+there (the optimizer step is spoilt on every rank, not silently wrong) and the strategy raises
+(``UnitState.check_in_step``). Equal orders are what every correct run has: the ranks make the
+same prefetch decisions from the same recorded orders.
 """
 
 from typing import Any, Dict, List, Optional, Protocol
@@ -42,6 +56,7 @@ from typing import Any, Dict, List, Optional, Protocol
 from tiny_fsdp.core.module.handler import TrainingPhase
 
 FORWARD, BACKWARD = TrainingPhase.FORWARD, TrainingPhase.BACKWARD
+_ORDER_MODULUS = 16_777_213  # the largest prime below 2**24: float32 holds the hash exactly
 
 
 class Unit(Protocol):
@@ -91,6 +106,8 @@ class Prefetcher:
         self._backward_guessed = False  # orders[BACKWARD] is the forward's, reversed
         self._cursor = {FORWARD: 0, BACKWARD: 0}
         self._pending: Dict[Unit, Any] = {}  # unit -> its prefetched, unconsumed unshard
+        self.unshard_order = 0  # hash of every unshard issued so far ([Note: ranks out of step])
+        self._index: Dict[Unit, int] = {}  # unit -> its place in ``units``
 
     # ---------------------------------------------------------------- passes
     def pre_forward(self, prefetch: bool, grad_enabled: bool) -> None:
@@ -151,7 +168,7 @@ class Prefetcher:
         """Make ``unit`` full (its prefetch, or a blocking unshard), then prefetch what follows."""
         if not unit.is_unsharded:
             pending = self.take_prefetched(unit)
-            unit.wait_for_unshard(unit.unshard(async_op=False) if pending is None else pending)
+            unit.wait_for_unshard(self._unshard(unit, False) if pending is None else pending)
         if self._in_forward:
             self._after_fetch(unit, FORWARD)
         elif self._grad_forward:  # backward, or a recomputation inside it
@@ -185,7 +202,16 @@ class Prefetcher:
                 break
             if upcoming.is_unsharded or upcoming in self._pending:
                 continue
-            self._pending[upcoming] = upcoming.unshard(async_op=True)
+            self._pending[upcoming] = self._unshard(upcoming, True)
+
+    def _unshard(self, unit: Unit, async_op: bool) -> Any:
+        """Issue ``unit``'s unshard, folding it into ``unshard_order`` ([Note: ranks out of
+        step])."""
+        if unit not in self._index:
+            self._index = {known: i for i, known in enumerate(self.units)}
+        index = self._index.get(unit, len(self.units))
+        self.unshard_order = (self.unshard_order * 31 + index + 1) % _ORDER_MODULUS
+        return unit.unshard(async_op=async_op)
 
 
 def _find(order: List[Unit], unit: Unit, start: int) -> Optional[int]:

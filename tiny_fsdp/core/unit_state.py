@@ -43,6 +43,7 @@ class UnitState(Prefetcher):
         self.reductions.on_finalized = self.backward_finished
         self.accumulated_bytes = 0  # of gradient sums kept across no_sync backwards
         self.grad_watch: Optional[LocalGradWatch] = None  # set by the wrapper
+        self._out_of_step: List["_OnHost"] = []  # agreements not read yet, oldest first
 
     @property
     def grad_divisor(self) -> int:
@@ -68,9 +69,23 @@ class UnitState(Prefetcher):
         non-finite ([Note: agreeing on overflow])."""
         self.drop_transients()
         if device is not None and self.world_size > 1:
-            agree_on_overflow(grads, device, self.shard_group, self.shard_label)
+            order = self.unshard_order
+            out_of_step = agree_on_overflow(
+                grads, device, self.shard_group, self.shard_label, order
+            )
+            self._out_of_step.append(_OnHost(out_of_step))
+            self.check_in_step()
         if self.grad_watch is not None:  # after the last write: [Note: parameters in the loss]
             self.grad_watch.note_grads()
+
+    def check_in_step(self) -> None:
+        """Raise if an agreement that has reached the host found the ranks out of step ([Note:
+        ranks out of step]). On the CPU it has at once; on an accelerator the flag is copied
+        without waiting and read here, or at the next forward, once it has arrived."""
+        while self._out_of_step and self._out_of_step[0].arrived():
+            if self._out_of_step.pop(0).value():
+                self._out_of_step.clear()
+                raise RuntimeError(_OUT_OF_STEP)
 
     def use_streams(self, streams: CommStreams) -> None:
         """Issue unshards and reductions through ``streams``."""
@@ -90,8 +105,39 @@ class UnitState(Prefetcher):
 
     def pre_forward(self, prefetch: bool, grad_enabled: bool) -> None:
         """A wrapper forward starts: drop what a backward that raised left, start resharded."""
+        self.check_in_step()
         self.reductions.abandon()  # only a backward that raised leaves any
         for grads in self.unit_grads:
             grads.drop_unfinished()
         self.drop_transients()
         super().pre_forward(prefetch, grad_enabled)
+
+
+_OUT_OF_STEP = (
+    "the ranks did not unshard the same units in the same order ([Note: ranks out of step]): "
+    "some rank skipped or added a layer the others ran (a LayerDrop whose draws differ per "
+    "rank, a branch on this rank's data), so their collectives paired across different layers "
+    "and this step's gradients were wrong; they were made NaN. Under FSDP and ZeRO-3 every rank "
+    "must run the same modules in the same order: draw such choices from a generator seeded "
+    "alike on every rank, or run the layer on every rank and drop its output where it is skipped."
+)
+
+
+class _OnHost:
+    """A 0-dim bool tensor on its way to the host: copied without waiting on an accelerator."""
+
+    def __init__(self, flag: torch.Tensor) -> None:
+        self._event = None
+        if flag.device.type == "cpu":
+            self._host = flag
+        else:
+            self._host = torch.empty((), dtype=torch.bool, pin_memory=True)
+            self._host.copy_(flag, non_blocking=True)
+            self._event = torch.Event(flag.device.type)
+            self._event.record()
+
+    def arrived(self) -> bool:
+        return self._event is None or self._event.query()
+
+    def value(self) -> bool:
+        return bool(self._host)

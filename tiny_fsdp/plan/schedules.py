@@ -17,7 +17,7 @@ One rank's step, with the defaults of ``DDP``, ``Zero1/2``, ``Zero3`` and ``FSDP
   forward, and the first unit of the backward); each block is unsharded before its forward
   (the next ones prefetched: 2 for ZeRO-3, 1 for FSDP) and freed after it, again in backward;
   after a unit's last backward layer its summed gradients are reduced, asynchronously, 2
-  reductions in flight, then a 1-element all-reduce (the ranks agree on overflow). FSDP issues
+  reductions in flight, then a 3-element all-reduce (the ranks agree on overflow). FSDP issues
   one all-gather and one reduce-scatter per unit; ZeRO-3 one
   broadcast and one reduce per owner of the unit's tensors, owners from ``Zero3``'s default
   partition of the tensor sizes (which also says how many tensors its busiest rank updates).
@@ -39,7 +39,7 @@ from typing import Dict, List, Optional, Tuple
 import torch
 
 from tiny_fsdp.core.comm import ring_bytes
-from tiny_fsdp.core.overflow import OVERFLOW_FLAG_DTYPE
+from tiny_fsdp.core.overflow import AGREEMENT_BYTES
 from tiny_fsdp.core.zero.grad_stores import FLAG_DTYPE
 from tiny_fsdp.plan.calibration import Calibration
 from tiny_fsdp.plan.collectives import collective_s
@@ -331,7 +331,7 @@ def _unit_schedule(s: StepSetup, strategy: str) -> StepPlan:
             reductions.append(tl.add("comm", seconds, label=f"reduce unit {u}"))
     tl.wait(reductions)
     if n > 1:  # the ranks agree on overflow ([Note: agreeing on overflow])
-        flag = comms.seconds("all_reduce", OVERFLOW_FLAG_DTYPE.itemsize, n, group)
+        flag = comms.seconds("all_reduce", AGREEMENT_BYTES, n, group)
         tl.wait([tl.add("comm", flag, label="overflow flag")])
     tl.add("compute", optimizer, label="optimizer")  # the busiest rank's, for ZeRO-3
     # Transient bytes: the root (full for the whole step) and the unit computing with the

@@ -16,9 +16,11 @@ on every module of a gathering wrapper's model, so the defaults of those librari
 under tiny_fsdp as under FSDP2. A layer that runs without its output reaching the loss gets no
 gradient on that rank, as with any unused parameter ([Note: unit reduction]).
 
-A model's own per-rank branch (``if x[0, 0] % 2: h = self.extra(h)``) is not seen: it stops or
-hangs the step as it would under FSDP2 (measured: gloo stops with "Received data size doesn't
-match"); ``TORCH_DISTRIBUTED_DEBUG=DETAIL`` has torch name the two ranks' collectives instead.
+A model's own per-rank branch (``if x[0, 0] % 2: h = self.extra(h)``) is not kept in step.
+Where the collectives that pair differ in size it stops gloo ("Received data size doesn't
+match") or hangs NCCL, as under FSDP2 (``TORCH_DISTRIBUTED_DEBUG=DETAIL`` has torch name the two
+ranks' collectives); where they match (identical blocks), FSDP2 trains wrong without a sign and
+we raise at the end of the backward ([Note: ranks out of step] in ``prefetch.py``).
 
 Dynamo reads the same attribute (it then treats the module's parameters as inputs, and requires
 ``_fsdp_use_orig_params``, set too, which is true here: the parameters are the model's own); it
