@@ -46,9 +46,10 @@ FSDP2). So every unshard this prefetcher issues, on demand or ahead, folds the u
 into ``unshard_order`` (a running hash below 2**24, over the whole run), and every
 synchronised backward compares it across the ranks in the all-reduce that already agrees on
 overflow ([Note: agreeing on overflow]); where it differs, the gradients are made non-finite
-there (the optimizer step is spoilt on every rank, not silently wrong) and the strategy raises
-(``UnitState.check_in_step``). Equal orders are what every correct run has: the ranks make the
-same prefetch decisions from the same recorded orders.
+there (the optimizer step is spoilt on every rank, not silently wrong) and every rank raises
+(``UnitState.check_in_step``: on the CPU from that ``backward()``, on an accelerator, whose flag
+travels to the host without a wait, from the next forward). Equal orders are what every correct
+run has: the ranks make the same prefetch decisions from the same recorded orders.
 """
 
 from typing import Any, Dict, List, Optional, Protocol

@@ -74,18 +74,20 @@ class UnitState(Prefetcher):
                 grads, device, self.shard_group, self.shard_label, order
             )
             self._out_of_step.append(_OnHost(out_of_step))
-            self.check_in_step()
+            if device.type == "cpu":  # on the host already: raise from this backward
+                self.check_in_step()
         if self.grad_watch is not None:  # after the last write: [Note: parameters in the loss]
             self.grad_watch.note_grads()
 
     def check_in_step(self) -> None:
-        """Raise if an agreement that has reached the host found the ranks out of step ([Note:
-        ranks out of step]). On the CPU it has at once; on an accelerator the flag is copied
-        without waiting and read here, or at the next forward, once it has arrived."""
-        while self._out_of_step and self._out_of_step[0].arrived():
-            if self._out_of_step.pop(0).value():
-                self._out_of_step.clear()
-                raise RuntimeError(_OUT_OF_STEP)
+        """Raise if an agreement found the ranks out of step ([Note: ranks out of step]): on the
+        CPU at the end of that backward; on an accelerator, whose flag is copied to the host
+        without waiting, at the next forward (by then the copy is normally done), so every rank
+        raises at the same call. The order starts again, so a run that catches it can go on."""
+        pending, self._out_of_step = self._out_of_step, []
+        if any(flag.value() for flag in pending):
+            self.unshard_order = 0
+            raise RuntimeError(_OUT_OF_STEP)
 
     def use_streams(self, streams: CommStreams) -> None:
         """Issue unshards and reductions through ``streams``."""
@@ -136,8 +138,8 @@ class _OnHost:
             self._event = torch.Event(flag.device.type)
             self._event.record()
 
-    def arrived(self) -> bool:
-        return self._event is None or self._event.query()
-
     def value(self) -> bool:
+        """The flag, once the copy is done (waiting for it if need be)."""
+        if self._event is not None:
+            self._event.synchronize()
         return bool(self._host)
