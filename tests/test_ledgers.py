@@ -152,7 +152,7 @@ def _rows(shape: torch.Size) -> Tuple[int, int]:
 
 # FSDP and ZeRO-3 end each synchronised backward with one small all-reduce ([Note: agreeing on
 # overflow]).
-OVERFLOW_FLAG = (1, AGREEMENT_BYTES)
+AGREEMENT = (1, AGREEMENT_BYTES)
 
 
 def _padded(numel: int, n: int) -> int:
@@ -201,7 +201,7 @@ def expected_traffic(variant: str, n: int, backend: str = "gloo") -> Dict[str, T
         return {
             "broadcast": (2 * uses - kept, 2 * used_bytes - kept_bytes),
             "reduce": (uses, used_bytes),
-            "all_reduce": OVERFLOW_FLAG,
+            "all_reduce": AGREEMENT,
         }
     if name == "fsdp":
         gathers = [FP32 * _fsdp_gather(layer, n) for layer in layers]
@@ -211,7 +211,7 @@ def expected_traffic(variant: str, n: int, backend: str = "gloo") -> Dict[str, T
         return {
             "all_gather": (len(gathers) + len(backward), sum(gathers) + sum(backward)),
             "reduce_scatter": (len(gathers), sum(gathers)),
-            "all_reduce": OVERFLOW_FLAG,
+            "all_reduce": AGREEMENT,
         }
     raise ValueError(variant)
 

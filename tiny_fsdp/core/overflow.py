@@ -40,7 +40,8 @@ def agree_on_overflow(
     device: torch.device,
     group: Optional[dist.ProcessGroup] = None,
     label: Optional[str] = None,
-    unshard_order: int = 0,
+    *,
+    unshard_order: int,
 ) -> torch.Tensor:
     """Make ``grads`` (this rank's, on ``device``) non-finite if any rank of ``group`` has a
     non-finite gradient, or another ``unshard_order`` (an integer < 2**24) than this rank

@@ -69,9 +69,8 @@ class UnitState(Prefetcher):
         non-finite ([Note: agreeing on overflow])."""
         self.drop_transients()
         if device is not None and self.world_size > 1:
-            order = self.unshard_order
             out_of_step = agree_on_overflow(
-                grads, device, self.shard_group, self.shard_label, order
+                grads, device, self.shard_group, self.shard_label, unshard_order=self.unshard_order
             )
             self._out_of_step.append(_OnHost(out_of_step))
             if device.type == "cpu":  # on the host already: raise from this backward
