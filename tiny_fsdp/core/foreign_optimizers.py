@@ -21,6 +21,10 @@ update rule reads them:
   constructor refuses a placeholder, which is 1-D: give it this rank's tensors,
   ``[p for p in model.parameters() if p.numel()]``.)
 
+Under torch's distributed checkpoint a shard's state must be a DTensor (FSDP) and ZeRO-3's
+has no such form ([Note: torch's distributed checkpoint]): the check also puts state-dict hooks
+on the optimizer that give, or refuse, that form.
+
 torch.optim's classes are known (``rule_kind``; exact classes: a subclass may change the
 rule). Another class steps with a warning, once per class and strategy, saying which rules are
 right. A global step pre-hook checks each optimizer at its first step and again when its
@@ -33,6 +37,7 @@ from typing import Any, Dict, List, Set, Tuple
 
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
+from tiny_fsdp.core.optim.torch_checkpoint import for_torch_checkpoint, refuse_torch_checkpoint
 from tiny_fsdp.core.optim.torch_rule import rule_kind, rule_name
 from tiny_fsdp.core.ownership import owner_of
 
@@ -40,6 +45,7 @@ from tiny_fsdp.core.ownership import owner_of
 _CHECKED: "weakref.WeakKeyDictionary[Any, int]" = weakref.WeakKeyDictionary()
 _WARNED: Set[Tuple[type, str]] = set()
 _HOOK: List[Any] = []  # the global step pre-hook, once registered
+_STATE_DICT_HOOKED: "weakref.WeakSet[Any]" = weakref.WeakSet()
 
 
 def install() -> None:
@@ -62,7 +68,45 @@ def _check_optimizer(optimizer: Any, args: Any, kwargs: Any) -> None:
                 owners.setdefault(owner.local_params, owner)
     for layout, owner in owners.items():
         _check(optimizer, layout, type(owner).__name__)
+    _hook_state_dicts(optimizer, set(owners))
     _CHECKED[optimizer] = n_params
+
+
+def _hook_state_dicts(optimizer: Any, layouts: Set[str]) -> None:
+    """Give ``optimizer``'s state dict its form under torch's distributed checkpoint, once."""
+    if optimizer in _STATE_DICT_HOOKED:
+        return
+    if "owned_tensors" in layouts:
+        optimizer.register_state_dict_post_hook(_refused_under_torch_checkpoint)
+    elif "dim0_shards" in layouts:
+        optimizer.register_state_dict_post_hook(_shards_as_dtensors)
+        optimizer.register_load_state_dict_pre_hook(_dtensors_as_shards)
+    else:
+        return
+    _STATE_DICT_HOOKED.add(optimizer)
+
+
+def _refused_under_torch_checkpoint(optimizer: Any, state_dict: Dict[str, Any]) -> None:
+    if for_torch_checkpoint():
+        refuse_torch_checkpoint(type(optimizer).__name__ + " over a Zero3 model")
+
+
+def _shards_as_dtensors(optimizer: Any, state_dict: Dict[str, Any]) -> Any:
+    if not for_torch_checkpoint():
+        return None
+    from tiny_fsdp.core.fsdp import dtensor_state  # imports the FSDP package
+
+    return dtensor_state.to_dtensors(state_dict, optimizer.param_groups, padded=True)
+
+
+def _dtensors_as_shards(optimizer: Any, state_dict: Dict[str, Any]) -> Any:
+    if not for_torch_checkpoint():
+        return None
+    from tiny_fsdp.core.fsdp import dtensor_state
+
+    return dtensor_state.from_dtensors(
+        state_dict, optimizer.param_groups, padded=True, what=type(optimizer).__name__
+    )
 
 
 def _check(optimizer: Any, layout: str, kind: str) -> None:

@@ -35,6 +35,8 @@ from typing import Any, Callable, Iterable, Iterator, Optional, Union
 import torch
 from torch import Tensor
 
+from tiny_fsdp.core.optim.torch_checkpoint import for_torch_checkpoint, refuse_torch_checkpoint
+
 NamedParam = tuple[str, Tensor]
 Update = tuple[Tensor, Tensor, dict]  # (param, grad, state) of one tensor the rule updates
 
@@ -62,7 +64,7 @@ def batch_limit(device: torch.device) -> int:
 LOCAL_STATE_KEY = "tiny_fsdp_local_state"
 
 
-def _rank_and_world() -> dict[str, int]:
+def rank_and_world() -> dict[str, int]:
     from torch import distributed as dist
 
     if dist.is_available() and dist.is_initialized():
@@ -279,15 +281,23 @@ class BaseOptimizer(torch.optim.Optimizer):
         """
         state = super().state_dict()
         if self.grads_are_sharded:
-            state[LOCAL_STATE_KEY] = _rank_and_world()
+            if for_torch_checkpoint():
+                return self._torch_checkpoint_form(state)
+            state[LOCAL_STATE_KEY] = rank_and_world()
         return state
+
+    def _torch_checkpoint_form(self, state: dict[str, Any]) -> dict[str, Any]:
+        """``state`` (this rank's part) as torch's distributed checkpoint must see it to save
+        every rank's part; refused where the strategy has no such form ([Note: torch's
+        distributed checkpoint])."""
+        refuse_torch_checkpoint(type(self).__name__)
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """torch.optim's ``load_state_dict``; a state of one rank's part loads on that rank
         only ([Note: local optimizer state])."""
         if self.grads_are_sharded:
             saved = state_dict.get(LOCAL_STATE_KEY)
-            here = _rank_and_world()
+            here = rank_and_world()
             if saved != here:
                 taken = "has no rank tag"
                 if saved is not None:

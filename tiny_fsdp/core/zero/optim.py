@@ -32,6 +32,7 @@ from torch import Tensor
 
 from tiny_fsdp.core.local_state import StatePiece
 from tiny_fsdp.core.optim import SGD, AdamW, TorchRule
+from tiny_fsdp.core.optim.torch_checkpoint import for_torch_checkpoint, refuse_torch_checkpoint
 from tiny_fsdp.core.zero.consolidated_state import check_loadable, consolidate, slice_pieces
 from tiny_fsdp.core.zero.flat_buffer import Piece, ShardBuffer
 from tiny_fsdp.core.zero.zero import Zero1, Zero2, ZeroWrapper, zero_owner
@@ -248,6 +249,8 @@ class _ZeroOptimizer:
 
     def state_dict(self) -> Dict[str, Any]:
         """The consolidated state (only on the ``to`` rank of the last consolidation)."""
+        if for_torch_checkpoint():  # every rank, consolidated or not: [Note: torch's ...]
+            refuse_torch_checkpoint(type(self).__name__)
         if self._consolidated is None:
             raise RuntimeError(
                 f"{type(self).__name__}.state_dict(): the state is sharded. Call "

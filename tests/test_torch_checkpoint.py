@@ -1,0 +1,194 @@
+"""Specification: torch's distributed checkpoint (torchtitan's way: ``get_state_dict``,
+``dcp.save`` / ``dcp.load``, ``set_state_dict``) with tiny_fsdp's wrappers ([Note: torch's
+distributed checkpoint] in ``tiny_fsdp/core/optim/torch_checkpoint.py``).
+
+- FSDP's optimizer state, of tiny_fsdp's optimizers and of ``torch.optim``'s, is saved by every
+  rank: the full state DCP gathers is torch DDP + ``torch.optim.AdamW``'s on the same data; it
+  loads at another world size exactly, and training resumed from it is training continued.
+- ZeRO-1/2/3 optimizer state has no DTensor form: ``get_state_dict`` raises on every rank,
+  before ``dcp.save`` could write one rank's part. Every wrapper's model state round-trips.
+"""
+
+import copy
+from typing import Any, Dict, Tuple
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+from torch import nn
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    get_state_dict,
+    set_model_state_dict,
+    set_state_dict,
+)
+
+from tests.harness import run_distributed
+
+FULL = StateDictOptions(full_state_dict=True)  # on every rank
+StateT = Tuple[Dict[str, torch.Tensor], Dict[str, Dict[str, torch.Tensor]]]
+
+
+class Net(nn.Module):
+    """Rows that do not split evenly over 2 or 3 ranks, a 0-d parameter and a buffer."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(4, 7), nn.Linear(7, 5)
+        self.scale = nn.Parameter(torch.tensor(0.5))
+        self.register_buffer("offset", torch.arange(5.0))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # (B, 4) -> (B, 5)
+        return self.b(torch.tanh(self.a(x))) * self.scale + self.offset
+
+
+def _build(wrapper: str, optim: str, seed: int) -> Tuple[nn.Module, Any]:
+    from tiny_fsdp import core
+
+    torch.manual_seed(seed)
+    model = getattr(core, wrapper)(Net())
+    if optim == "torch":
+        return model, torch.optim.AdamW(model.parameters(), lr=1e-2)
+    return model, getattr(core, wrapper + "AdamW")(model.named_parameters(), lr=1e-2)
+
+
+def _step(model: nn.Module, optimizer: Any, step: int, rank: int) -> float:
+    x = torch.randn(3, 4, generator=torch.Generator().manual_seed(10 * step + rank))
+    loss = model(x).square().mean()
+    loss.backward()
+    optimizer.step()
+    optimizer.zero_grad()
+    return loss.item()
+
+
+def _full(model: nn.Module, optimizer: Any) -> StateT:
+    """Full model and optimizer state, as DCP gathers them (optimizer keys without 'module.')."""
+    weights = get_model_state_dict(model, options=FULL)
+    optim = get_optimizer_state_dict(model, optimizer, options=FULL)["state"]
+    named = {name.removeprefix("module."): state for name, state in optim.items()}
+    return {k: v.clone() for k, v in weights.items()}, copy.deepcopy(named)
+
+
+def _save(rank: int, world: int, optim: str, path: str) -> Dict[str, Any]:
+    """FSDP 2 steps, DCP save; a fresh pair loads it and steps on alongside the original.
+    Also torch DDP + torch.optim.AdamW on the same data: the oracle for the saved state."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    model, optimizer = _build("FSDP", optim, seed=0)
+    torch.manual_seed(0)
+    reference = DistributedDataParallel(Net())
+    reference_optim = torch.optim.AdamW(reference.parameters(), lr=1e-2)
+    for step in range(2):
+        _step(model, optimizer, step, rank)
+        _step(reference, reference_optim, step, rank)
+    model_sd, optim_sd = get_state_dict(model, optimizer)
+    dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=path)
+
+    resumed, resumed_optim = _build("FSDP", optim, seed=1)
+    loaded = dict(zip(("model", "optim"), get_state_dict(resumed, resumed_optim)))
+    dcp.load(loaded, checkpoint_id=path)
+    set_state_dict(
+        resumed, resumed_optim, model_state_dict=loaded["model"], optim_state_dict=loaded["optim"]
+    )
+    saved = _full(model, optimizer)
+    continued = [_step(model, optimizer, step, rank) for step in (2, 3)]
+    again = [_step(resumed, resumed_optim, step, rank) for step in (2, 3)]
+    return {
+        "saved": saved,
+        "torch_ddp": _full(reference, reference_optim),
+        "continued": (continued, _full(model, optimizer)),
+        "resumed": (again, _full(resumed, resumed_optim)),
+    }
+
+
+def _load(rank: int, world: int, optim: str, path: str) -> StateT:
+    model, optimizer = _build("FSDP", optim, seed=2)
+    loaded = dict(zip(("model", "optim"), get_state_dict(model, optimizer)))
+    dcp.load(loaded, checkpoint_id=path)
+    set_state_dict(
+        model, optimizer, model_state_dict=loaded["model"], optim_state_dict=loaded["optim"]
+    )
+    return _full(model, optimizer)
+
+
+def _assert_equal(a: StateT, b: StateT, what: str, atol: float = 0.0) -> None:
+    (model_a, optim_a), (model_b, optim_b) = a, b
+    assert model_a.keys() == model_b.keys() and optim_a.keys() == optim_b.keys(), what
+    for key, value in model_a.items():
+        torch.testing.assert_close(model_b[key], value, atol=atol, rtol=0, msg=f"{what}: {key}")
+    for name, state in optim_a.items():
+        assert state.keys() == optim_b[name].keys(), (what, name)
+        for key, value in state.items():
+            other = optim_b[name][key].reshape(value.shape)  # a 0-d parameter's state: one row
+            torch.testing.assert_close(other, value, atol=atol, rtol=0, msg=f"{what}: {name}/{key}")
+
+
+@pytest.mark.parametrize("optim", ["tiny_fsdp", "torch"])
+def test_fsdp_optimizer_state_saved_by_every_rank_loads_at_another_world_size(
+    optim, tmp_path
+) -> None:
+    path = str(tmp_path / "checkpoint")
+    first = run_distributed(_save, 2, optim, path)[0]
+    assert first["saved"][1]["a.weight"]["exp_avg"].shape == (7, 4), "the full state, not a shard"
+    # torch DDP's gradients are the same averages, summed in another order: atol 1e-6.
+    _assert_equal(first["torch_ddp"], first["saved"], "FSDP vs torch DDP", atol=1e-6)
+    (continued, at_end), (resumed, resumed_end) = first["continued"], first["resumed"]
+    assert resumed == continued
+    _assert_equal(at_end, resumed_end, "resumed vs continued")
+    # Before [Note: torch's distributed checkpoint], rank 0's moments stood for every rank's.
+    for state in run_distributed(_load, 3, optim, path):
+        _assert_equal(first["saved"], state, "saved at 2 ranks, loaded at 3")
+
+
+def _zero_refuses(rank: int, world: int) -> Dict[str, str]:
+    refused = {}
+    for wrapper, optim in (
+        ("Zero1", "tiny_fsdp"),
+        ("Zero2", "tiny_fsdp"),
+        ("Zero3", "tiny_fsdp"),
+        ("Zero3", "torch"),
+    ):
+        model, optimizer = _build(wrapper, optim, seed=0)
+        _step(model, optimizer, 0, rank)
+        if wrapper == "Zero1":
+            optimizer.consolidate_state_dict(to=0)  # rank 0 could state_dict(); DCP still refused
+        with pytest.raises(RuntimeError, match="tiny_fsdp.checkpoint.save_checkpoint") as error:
+            get_state_dict(model, optimizer)
+        refused[f"{wrapper}/{optim}"] = str(error.value).split(":")[0]
+    return refused
+
+
+def test_zero_optimizer_state_is_refused_on_every_rank() -> None:
+    refused = run_distributed(_zero_refuses, 2)
+    assert (
+        refused[0]
+        == refused[1]
+        == {
+            "Zero1/tiny_fsdp": "Zero1AdamW",
+            "Zero2/tiny_fsdp": "Zero2AdamW",
+            "Zero3/tiny_fsdp": "Zero3AdamW",
+            "Zero3/torch": "AdamW over a Zero3 model",
+        }
+    )
+
+
+def _model_round_trip(rank: int, world: int, path: str) -> Dict[str, float]:
+    gaps = {}
+    for wrapper in ("DDP", "Zero1", "Zero2", "Zero3", "FSDP"):
+        model, optimizer = _build(wrapper, "tiny_fsdp", seed=0)
+        _step(model, optimizer, 0, rank)
+        dcp.save(get_model_state_dict(model), checkpoint_id=f"{path}/{wrapper}")
+        fresh, _ = _build(wrapper, "tiny_fsdp", seed=1)
+        loaded = get_model_state_dict(fresh)
+        dcp.load(loaded, checkpoint_id=f"{path}/{wrapper}")
+        set_model_state_dict(fresh, loaded)
+        trained, restored = model.state_dict(), fresh.state_dict()
+        gaps[wrapper] = max((trained[k] - restored[k]).abs().max().item() for k in trained)
+    return gaps
+
+
+def test_every_wrappers_model_state_round_trips(tmp_path) -> None:
+    for gaps in run_distributed(_model_round_trip, 2, str(tmp_path)):
+        assert gaps == {w: 0.0 for w in ("DDP", "Zero1", "Zero2", "Zero3", "FSDP")}
