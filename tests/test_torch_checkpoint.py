@@ -1,6 +1,6 @@
 """Specification: torch's distributed checkpoint (torchtitan's way: ``get_state_dict``,
 ``dcp.save`` / ``dcp.load``, ``set_state_dict``) with tiny_fsdp's wrappers ([Note: torch's
-distributed checkpoint] in ``tiny_fsdp/core/optim/torch_checkpoint.py``).
+distributed checkpoint] in ``tiny_fsdp/core/torch_checkpoint.py``).
 
 - FSDP's optimizer state, of tiny_fsdp's optimizers and of ``torch.optim``'s, is saved by every
   rank: the full state DCP gathers is torch DDP + ``torch.optim.AdamW``'s on the same data; it
@@ -44,11 +44,22 @@ class Net(nn.Module):
         return self.b(torch.tanh(self.a(x))) * self.scale + self.offset
 
 
-def _build(wrapper: str, optim: str, seed: int) -> Tuple[nn.Module, Any]:
+class Pair(nn.Module):
+    """Two uneven layers and no 0-d parameter (which FSDP2 refuses)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(4, 7), nn.Linear(7, 5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # (B, 4) -> (B, 5)
+        return self.b(torch.tanh(self.a(x)))
+
+
+def _build(wrapper: str, optim: str, seed: int, net: type = Net) -> Tuple[nn.Module, Any]:
     from tiny_fsdp import core
 
     torch.manual_seed(seed)
-    model = getattr(core, wrapper)(Net())
+    model = getattr(core, wrapper)(net())
     if optim == "torch":
         return model, torch.optim.AdamW(model.parameters(), lr=1e-2)
     return model, getattr(core, wrapper + "AdamW")(model.named_parameters(), lr=1e-2)
@@ -64,11 +75,10 @@ def _step(model: nn.Module, optimizer: Any, step: int, rank: int) -> float:
 
 
 def _full(model: nn.Module, optimizer: Any) -> StateT:
-    """Full model and optimizer state, as DCP gathers them (optimizer keys without 'module.')."""
+    """Full model and optimizer state, as DCP gathers them: the plain model's keys."""
     weights = get_model_state_dict(model, options=FULL)
     optim = get_optimizer_state_dict(model, optimizer, options=FULL)["state"]
-    named = {name.removeprefix("module."): state for name, state in optim.items()}
-    return {k: v.clone() for k, v in weights.items()}, copy.deepcopy(named)
+    return {k: v.clone() for k, v in weights.items()}, copy.deepcopy(optim)
 
 
 def _save(rank: int, world: int, optim: str, path: str) -> Dict[str, Any]:
@@ -174,7 +184,50 @@ def test_zero_optimizer_state_is_refused_on_every_rank() -> None:
     )
 
 
+def _build_fsdp2(seed: int) -> Tuple[nn.Module, Any]:
+    from torch.distributed.fsdp import fully_shard
+
+    torch.manual_seed(seed)
+    model = Pair()
+    for layer in (model.a, model.b, model):
+        fully_shard(layer)
+    return model, torch.optim.AdamW(model.parameters(), lr=1e-2)
+
+
+def _between_fsdp2_and_ours(rank: int, world: int, path: str) -> Dict[str, float]:
+    """Save under one, load under the other, 2 more steps; the gap to the saver's own 2."""
+    ours = lambda seed: _build("FSDP", "torch", seed, Pair)  # noqa: E731
+    gaps = {}
+    for name, save_with, load_with in (
+        ("FSDP2 -> ours", _build_fsdp2, ours),
+        ("ours -> FSDP2", ours, _build_fsdp2),
+    ):
+        model, optimizer = save_with(0)
+        for step in range(2):
+            _step(model, optimizer, step, rank)
+        dcp.save(dict(zip("mo", get_state_dict(model, optimizer))), checkpoint_id=f"{path}/{name}")
+        continued = [_step(model, optimizer, step, rank) for step in (2, 3)]
+        model, optimizer = load_with(1)
+        loaded = dict(zip("mo", get_state_dict(model, optimizer)))
+        dcp.load(loaded, checkpoint_id=f"{path}/{name}")
+        set_state_dict(model, optimizer, model_state_dict=loaded["m"], optim_state_dict=loaded["o"])
+        resumed = [_step(model, optimizer, step, rank) for step in (2, 3)]
+        gaps[name] = max(abs(a - b) for a, b in zip(continued, resumed))
+    return gaps
+
+
+def test_checkpoints_move_between_fsdp2_and_our_fsdp(tmp_path) -> None:
+    """The same keys (the plain model's) and the same DTensor layout as FSDP2: its checkpoint
+    resumes under our FSDP and ours under it, as the saver would have gone on (bit for bit:
+    the same sums of the same two ranks)."""
+    for gaps in run_distributed(_between_fsdp2_and_ours, 2, str(tmp_path)):
+        assert gaps == {"FSDP2 -> ours": 0.0, "ours -> FSDP2": 0.0}
+
+
 def _model_round_trip(rank: int, world: int, path: str) -> Dict[str, float]:
+    """Every wrapper: DCP save / load; then a full state dict on rank 0 only, broadcast."""
+    torch.manual_seed(3)
+    plain = Net().state_dict()
     gaps = {}
     for wrapper in ("DDP", "Zero1", "Zero2", "Zero3", "FSDP"):
         model, optimizer = _build(wrapper, "tiny_fsdp", seed=0)
@@ -186,9 +239,17 @@ def _model_round_trip(rank: int, world: int, path: str) -> Dict[str, float]:
         set_model_state_dict(fresh, loaded)
         trained, restored = model.state_dict(), fresh.state_dict()
         gaps[wrapper] = max((trained[k] - restored[k]).abs().max().item() for k in trained)
+        # FSDP2's example: rank 0 reads a full state dict and broadcasts it (rank 1 held
+        # nothing under our keys before [Note: torch's distributed checkpoint]: it raised).
+        options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
+        set_model_state_dict(fresh, plain if rank == 0 else {}, options=options)
+        restored = fresh.state_dict()
+        gaps[wrapper + " broadcast"] = max(
+            (plain[k] - restored[k]).abs().max().item() for k in plain
+        )
     return gaps
 
 
 def test_every_wrappers_model_state_round_trips(tmp_path) -> None:
     for gaps in run_distributed(_model_round_trip, 2, str(tmp_path)):
-        assert gaps == {w: 0.0 for w in ("DDP", "Zero1", "Zero2", "Zero3", "FSDP")}
+        assert set(gaps.values()) == {0.0} and len(gaps) == 10, gaps

@@ -39,6 +39,7 @@ in ``wrap_checks.py``). The wrapper then tags every parameter as its own.
 import contextlib
 import copy
 from collections import OrderedDict
+from itertools import chain
 from typing import (
     Any,
     Callable,
@@ -62,6 +63,7 @@ from tiny_fsdp.core.clip import HeldGrads, clip_grad_norm_
 from tiny_fsdp.core.local_state import LocalPiece, replicated_piece
 from tiny_fsdp.core.module import convert_module
 from tiny_fsdp.core.ownership import TAG_PREFIX, owner_of, tag_owner
+from tiny_fsdp.core.torch_checkpoint import for_torch_checkpoint
 from tiny_fsdp.core.precision import (
     MixedPrecisionPolicy,
     check_master_dtypes,
@@ -339,6 +341,28 @@ class DataParallelWrapper(nn.Module):
         for key, value in entries.items():
             out[prefix + key] = value
         return out
+
+    def _fqn_modifiers(self) -> Dict[str, str]:
+        """torch's distributed checkpoint's contract for a module whose state-dict keys skip a
+        child: every top-level name of ``state_dict()`` lives under ``module`` ([Note: torch's
+        distributed checkpoint])."""
+        inner = self.module
+        named = chain(
+            inner.named_children(),
+            inner.named_parameters(recurse=False),
+            inner.named_buffers(recurse=False),
+        )
+        return {name: "module" for name, _ in named}
+
+    def named_parameters(
+        self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True
+    ) -> Iterator[Tuple[str, nn.Parameter]]:
+        """``nn.Module``'s (names start with ``module.``, as torch DDP's), except for torch's
+        distributed checkpoint, which names parameters by the plain model's keys as it does
+        under torch DDP and FSDP2 ([Note: torch's distributed checkpoint])."""
+        if recurse and for_torch_checkpoint():
+            return self.module.named_parameters(prefix, recurse, remove_duplicate)
+        return super().named_parameters(prefix, recurse, remove_duplicate)
 
     def local_state_dict(self, keep_vars: bool = False) -> Dict[str, Any]:
         """The inner model's own state dict: what this rank holds (shards, owned tensors)."""

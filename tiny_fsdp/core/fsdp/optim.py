@@ -16,7 +16,7 @@ from tiny_fsdp.core.fsdp import dtensor_state
 from tiny_fsdp.core.fsdp.sharded_param import shard_info
 from tiny_fsdp.core.optim import SGD, AdamW, BaseOptimizer
 from tiny_fsdp.core.optim.base import LOCAL_STATE_KEY, rank_and_world
-from tiny_fsdp.core.optim.torch_checkpoint import for_torch_checkpoint
+from tiny_fsdp.core.torch_checkpoint import for_torch_checkpoint
 
 
 class _ShardUpdates(BaseOptimizer):

@@ -35,7 +35,7 @@ from typing import Any, Callable, Iterable, Iterator, Optional, Union
 import torch
 from torch import Tensor
 
-from tiny_fsdp.core.optim.torch_checkpoint import for_torch_checkpoint, refuse_torch_checkpoint
+from tiny_fsdp.core.torch_checkpoint import for_torch_checkpoint, refuse_torch_checkpoint
 
 NamedParam = tuple[str, Tensor]
 Update = tuple[Tensor, Tensor, dict]  # (param, grad, state) of one tensor the rule updates

@@ -32,7 +32,7 @@ from torch import Tensor
 
 from tiny_fsdp.core.local_state import StatePiece
 from tiny_fsdp.core.optim import SGD, AdamW, TorchRule
-from tiny_fsdp.core.optim.torch_checkpoint import for_torch_checkpoint, refuse_torch_checkpoint
+from tiny_fsdp.core.torch_checkpoint import for_torch_checkpoint, refuse_torch_checkpoint
 from tiny_fsdp.core.zero.consolidated_state import check_loadable, consolidate, slice_pieces
 from tiny_fsdp.core.zero.flat_buffer import Piece, ShardBuffer
 from tiny_fsdp.core.zero.zero import Zero1, Zero2, ZeroWrapper, zero_owner

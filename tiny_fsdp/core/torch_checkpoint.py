@@ -1,4 +1,4 @@
-"""Optimizer state for torch's distributed checkpoint: when it is asking, and what is refused.
+"""tiny_fsdp under torch's distributed checkpoint: when it is asking, and what is refused.
 
 [Note: torch's distributed checkpoint]
 torchtitan-style checkpointing is ``get_state_dict(model, optimizer)``, ``dcp.save`` /
@@ -17,6 +17,14 @@ tiny_fsdp's FSDP optimizers and element-wise ``torch.optim`` ones alike (a state
 no DTensor form: their optimizers raise on every rank (``refuse_torch_checkpoint``), before
 anything is written, naming ``tiny_fsdp.checkpoint`` (any world size). A model's own
 ``state_dict`` is full under every wrapper, the same on every rank, which DCP saves right.
+Names: DCP names a parameter by the path it walks from the model it is given, which under a
+wrapper starts with ``module.`` (it strips only torch DDP's), while our state dicts use the
+plain model's keys. So the wrapper gives DCP the contract it has for such modules
+(``_fqn_modifiers``: each top-level key lives under ``module``) and, when DCP asks,
+``named_parameters`` without the prefix: model and optimizer keys are the plain model's, as
+under torch DDP and FSDP2, and checkpoints move between those and ours (FSDP2's DTensor layout
+is ours too), and ``set_model_state_dict(..., broadcast_from_rank0=True)`` finds its keys on
+every rank.
 """
 
 import sys
