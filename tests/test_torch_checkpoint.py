@@ -16,6 +16,7 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 from torch import nn
+from torch.distributed.tensor import DTensor
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
@@ -94,6 +95,8 @@ def _save(rank: int, world: int, optim: str, path: str) -> Dict[str, Any]:
         _step(model, optimizer, step, rank)
         _step(reference, reference_optim, step, rank)
     model_sd, optim_sd = get_state_dict(model, optimizer)
+    local = {k: v.to_local() if isinstance(v, DTensor) else v for k, v in model_sd.items()}
+    parts = {k: (type(model_sd[k]).__name__, tuple(v.shape)) for k, v in local.items()}
     dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=path)
 
     resumed, resumed_optim = _build("FSDP", optim, seed=1)
@@ -106,6 +109,7 @@ def _save(rank: int, world: int, optim: str, path: str) -> Dict[str, Any]:
     continued = [_step(model, optimizer, step, rank) for step in (2, 3)]
     again = [_step(resumed, resumed_optim, step, rank) for step in (2, 3)]
     return {
+        "parts": parts,
         "saved": saved,
         "torch_ddp": _full(reference, reference_optim),
         "continued": (continued, _full(model, optimizer)),
@@ -140,7 +144,18 @@ def test_fsdp_optimizer_state_saved_by_every_rank_loads_at_another_world_size(
     optim, tmp_path
 ) -> None:
     path = str(tmp_path / "checkpoint")
-    first = run_distributed(_save, 2, optim, path)[0]
+    ranks = run_distributed(_save, 2, optim, path)
+    # The model as each rank's rows (7 rows: 4 + 3), gathered by no one; a 0-d one whole.
+    for rank, rows in enumerate((4, 3)):
+        assert ranks[rank]["parts"] == {
+            "a.weight": ("DTensor", (rows, 4)),
+            "a.bias": ("DTensor", (rows,)),
+            "b.weight": ("DTensor", (3 - rank, 7)),
+            "b.bias": ("DTensor", (3 - rank,)),
+            "scale": ("Tensor", ()),
+            "offset": ("Tensor", (5,)),
+        }
+    first = ranks[0]
     assert first["saved"][1]["a.weight"]["exp_avg"].shape == (7, 4), "the full state, not a shard"
     # torch DDP's gradients are the same averages, summed in another order: atol 1e-6.
     _assert_equal(first["torch_ddp"], first["saved"], "FSDP vs torch DDP", atol=1e-6)

@@ -15,16 +15,17 @@ plain (per-rank files and ``torch.save`` keep working), except when DCP is on th
 tiny_fsdp's FSDP optimizers and element-wise ``torch.optim`` ones alike (a state-dict hook,
 ``foreign_optimizers.py``). ZeRO-1/2's flat ranges and ZeRO-3's whole tensors on one rank have
 no DTensor form: their optimizers raise on every rank (``refuse_torch_checkpoint``), before
-anything is written, naming ``tiny_fsdp.checkpoint`` (any world size). A model's own
-``state_dict`` is full under every wrapper, the same on every rank, which DCP saves right.
-Names: DCP names a parameter by the path it walks from the model it is given, which under a
-wrapper starts with ``module.`` (it strips only torch DDP's), while our state dicts use the
-plain model's keys. So the wrapper gives DCP the contract it has for such modules
-(``_fqn_modifiers``: each top-level key lives under ``module``) and, when DCP asks,
-``named_parameters`` without the prefix: model and optimizer keys are the plain model's, as
-under torch DDP and FSDP2, and checkpoints move between those and ours (FSDP2's DTensor layout
-is ours too), and ``set_model_state_dict(..., broadcast_from_rank0=True)`` finds its keys on
-every rank.
+anything is written, naming ``tiny_fsdp.checkpoint`` (any world size). The model's state dict is
+full under DDP, ZeRO-1/2 and ZeRO-3 (which gathers it), the same on every rank, which DCP saves
+right; under FSDP each parameter also comes as its rows in a DTensor (``FSDP.checkpoint_part``),
+so saving gathers nothing and no rank holds the full model, as with FSDP2. Names: DCP names a
+parameter by the path it walks from the model it is given, which under a wrapper starts with
+``module.`` (it strips only torch DDP's), while our state dicts use the plain model's keys. So
+the wrapper gives DCP the contract it has for such modules (``_fqn_modifiers``: each top-level
+key lives under ``module``) and, when DCP asks, ``named_parameters`` without the prefix: model
+and optimizer keys are the plain model's, as under torch DDP and FSDP2, and checkpoints move
+between those and ours (FSDP2's DTensor layout is ours too), and ``set_model_state_dict(...,
+broadcast_from_rank0=True)`` finds its keys on every rank.
 """
 
 import sys

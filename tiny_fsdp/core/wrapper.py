@@ -297,6 +297,12 @@ class DataParallelWrapper(nn.Module):
         """Set what this rank holds of ``param`` from its full tensor ``full``."""
         param.detach().copy_(full)
 
+    def checkpoint_part(self, param: torch.Tensor) -> torch.Tensor:
+        """``param`` as torch's distributed checkpoint saves it: its full tensor, unless the
+        strategy has a DTensor form of its part (FSDP) ([Note: torch's distributed
+        checkpoint]). ``load_full_`` takes that form back."""
+        return self.full_tensor(param)
+
     def local_piece(self, param: torch.Tensor) -> Optional[LocalPiece]:
         return LocalPiece(0, param.detach())
 
@@ -388,12 +394,13 @@ class DataParallelWrapper(nn.Module):
         ``prefix`` + ``managed_entries``' keys) by their full tensors: collectives, in
         state-dict order on every rank; a tied parameter is gathered once."""
         full: Dict[int, torch.Tensor] = {}
+        parts = for_torch_checkpoint()  # DCP saves each rank's part: [Note: torch's ...]
         for key, param in self.managed_entries():
             key = prefix + key
             if key not in entries:
                 continue
             if id(param) not in full:
-                tensor = self.full_tensor(param)
+                tensor = self.checkpoint_part(param) if parts else self.full_tensor(param)
                 full[id(param)] = param if keep_vars and tensor is param else tensor
             entries[key] = full[id(param)]
 

@@ -1,15 +1,17 @@
-"""FSDP shards' optimizer state as DTensors, the form torch's distributed checkpoint saves.
+"""FSDP shards and their optimizer state as DTensors, the form torch's DCP saves.
 
-Each state tensor shaped like a shard's rows becomes a ``Shard(0)`` DTensor viewing this rank's
-real rows: global shape the parameter's full shape (a 0-d parameter: one row), over the shard
-group's ranks (HSDP: the replicas' identical chunks are written once). Our rows split exactly as
-a DTensor's (``ceil(rows / world_size)`` per rank, the last ranks short or empty: [Note: dim-0
-shards]), so DCP writes every row once and loads at any world size. 0-d state (``step``) is
-the same on every rank and stays plain. ``padded``: the state covers the whole padded shard
-(``torch.optim``'s optimizers), not only the real rows (tiny_fsdp's). [Note: torch's
-distributed checkpoint].
+A parameter's shard (``FSDP.checkpoint_part``) and each state tensor shaped like it become a
+``Shard(0)`` DTensor viewing this rank's real rows: global shape the parameter's full shape (a
+0-d parameter's state: one row; the parameter itself is saved whole), over the shard group's
+ranks (HSDP: the replicas' identical chunks are written once). Our rows split exactly as a
+DTensor's (``ceil(rows / world_size)`` per rank, the last ranks short or empty: [Note: dim-0
+shards]), so DCP writes every row once and loads at any world size. 0-d state (``step``) is the
+same on every rank and stays plain. ``padded``: the state covers the whole padded shard
+(``torch.optim``'s optimizers), not only the real rows (tiny_fsdp's). [Note: torch's distributed
+checkpoint].
 """
 
+import sys
 from typing import Any, Dict, List, Optional, Tuple
 
 import torch
@@ -66,19 +68,54 @@ def to_dtensors(
 
 
 def _as_dtensor(key: str, value: Any, info: Optional[ShardedParam], padded: bool) -> Any:
-    from torch.distributed.tensor import DTensor, Shard
-
     if info is None or not _is_rows(key, value, info, padded):  # a scalar, or not a shard's
         return value
+    return rows_as_dtensor(value, info)
+
+
+def rows_as_dtensor(shard: Tensor, info: ShardedParam) -> Any:
+    """The real rows of ``shard`` (the rank's rows of a tensor shaped like the parameter,
+    padding rows last) as a ``Shard(0)`` DTensor of the parameter's full shape; a view."""
+    from torch.distributed.tensor import DTensor, Shard
+
     shape = _global_shape(info)
     return DTensor.from_local(
-        value[: info.valid_rows],
-        _mesh(info.group, value.device.type),
+        shard[: info.valid_rows],
+        _mesh(info.group, shard.device.type),
         [Shard(0)],
         run_check=False,
         shape=torch.Size(shape),
         stride=torch.empty(shape, device="meta").stride(),
     )
+
+
+def is_dtensor(value: Any) -> bool:
+    """Whether ``value`` is a DTensor (without importing DTensor where none can exist)."""
+    module = sys.modules.get("torch.distributed.tensor")
+    return module is not None and isinstance(value, module.DTensor)
+
+
+def rows_of(value: Any, info: ShardedParam, what: str, name: Any = "") -> Tensor:
+    """``rows_as_dtensor``'s inverse: this rank's real rows, after checking that ``value`` is
+    this rank's part of a tensor shaped like the parameter (ValueError otherwise)."""
+    from torch.distributed.tensor import Shard
+
+    expected = _global_shape(info)
+    mesh = value.device_mesh
+    if (
+        tuple(value.placements) != (Shard(0),)
+        or mesh.ndim != 1
+        or mesh.size() != info.world_size
+        or mesh.get_local_rank() != info.rank
+        or tuple(value.shape) != expected
+    ):
+        raise ValueError(
+            f"{what}.load_state_dict: {name!r} is a DTensor of shape {tuple(value.shape)} placed "
+            f"{tuple(value.placements)} on {mesh.size()} ranks; expected Shard(0) of shape "
+            f"{expected} over this model's shard group (the form get_state_dict(model, "
+            "optimizer) gives for this model and optimizer)"
+        )
+    return value.to_local()
 
 
 def from_dtensors(
@@ -105,9 +142,7 @@ def from_dtensors(
 def _as_local(
     key: str, value: Any, info: Optional[ShardedParam], padded: bool, what: str, name: Any
 ) -> Any:
-    from torch.distributed.tensor import DTensor, Shard
-
-    if not isinstance(value, DTensor):
+    if not is_dtensor(value):
         if isinstance(value, Tensor) and value.dim() > 0:
             raise ValueError(
                 f"{what}.load_state_dict: state '{key}' of parameter {name!r} is a plain tensor; "
@@ -115,23 +150,9 @@ def _as_local(
                 "form get_state_dict(model, optimizer) gives for this model and optimizer)"
             )
         return value
-    expected = None if info is None else _global_shape(info)
-    mesh = value.device_mesh
-    if (
-        info is None
-        or tuple(value.placements) != (Shard(0),)
-        or mesh.ndim != 1
-        or mesh.size() != info.world_size
-        or mesh.get_local_rank() != info.rank
-        or tuple(value.shape) != expected
-    ):
-        raise ValueError(
-            f"{what}.load_state_dict: state '{key}' of parameter {name!r} is a DTensor of shape "
-            f"{tuple(value.shape)} placed {tuple(value.placements)} on {mesh.size()} ranks; "
-            f"expected Shard(0) of shape {expected} over this model's shard group (the form "
-            "get_state_dict(model, optimizer) gives for this model and optimizer)"
-        )
-    rows = value.to_local()
+    if info is None:
+        raise ValueError(f"{what}.load_state_dict: state of {name!r}, not an FSDP shard's")
+    rows = rows_of(value, info, what, f"{name}/{key}")
     if not padded:
         return rows
     shard = rows.new_zeros(info.shard_shape)

@@ -29,6 +29,7 @@ from torch import nn
 
 from tiny_fsdp.core import comm, streams
 from tiny_fsdp.core.fetching_wrapper import FetchingWrapper
+from tiny_fsdp.core.fsdp import dtensor_state
 from tiny_fsdp.core.fsdp.mesh import MeshGroups, mesh_groups
 from tiny_fsdp.core.fsdp.sharded_param import shard_info, shard_module
 from tiny_fsdp.core.fsdp.state import FSDPState
@@ -188,7 +189,19 @@ class FSDP(FetchingWrapper):
         return tuple(shard_info(param).full_shape)
 
     def load_full_(self, param: torch.Tensor, full: torch.Tensor) -> None:
-        param.detach().copy_(shard_info(param).shard_of(full))
+        info = shard_info(param)
+        if dtensor_state.is_dtensor(full):  # checkpoint_part's form, through torch's DCP
+            param.detach()[: info.valid_rows].copy_(dtensor_state.rows_of(full, info, "FSDP"))
+            return
+        param.detach().copy_(info.shard_of(full))
+
+    def checkpoint_part(self, param: torch.Tensor) -> torch.Tensor:
+        """The real rows as a ``Shard(0)`` DTensor, no gather; a 0-d parameter whole, as its
+        shape says ([Note: torch's distributed checkpoint])."""
+        info = shard_info(param)
+        if not info.full_shape:
+            return self.full_tensor(param)
+        return dtensor_state.rows_as_dtensor(param.detach(), info)
 
     def local_piece(self, param: torch.Tensor) -> Optional[LocalPiece]:
         """The real rows of the shard (padding rows are not part of the tensor)."""
