@@ -2,11 +2,14 @@
 ``dcp.save`` / ``dcp.load``, ``set_state_dict``) with tiny_fsdp's wrappers ([Note: torch's
 distributed checkpoint] in ``tiny_fsdp/core/torch_checkpoint.py``).
 
-- FSDP's optimizer state, of tiny_fsdp's optimizers and of ``torch.optim``'s, is saved by every
-  rank: the full state DCP gathers is torch DDP + ``torch.optim.AdamW``'s on the same data; it
-  loads at another world size exactly, and training resumed from it is training continued.
+- FSDP's parameters and optimizer state (tiny_fsdp's optimizers and ``torch.optim``'s) reach DCP
+  as each rank's rows: nothing is gathered, the full state DCP assembles is torch DDP +
+  ``torch.optim.AdamW``'s on the same data, it loads at another world size exactly, and
+  training resumed from it is training continued. Keys and layout are FSDP2's: checkpoints move
+  between FSDP2 and our FSDP.
 - ZeRO-1/2/3 optimizer state has no DTensor form: ``get_state_dict`` raises on every rank,
-  before ``dcp.save`` could write one rank's part. Every wrapper's model state round-trips.
+  before ``dcp.save`` could write one rank's part. Every wrapper's model state round-trips, and
+  loads from a full state dict broadcast from rank 0.
 """
 
 import copy
@@ -162,7 +165,7 @@ def test_fsdp_optimizer_state_saved_by_every_rank_loads_at_another_world_size(
     (continued, at_end), (resumed, resumed_end) = first["continued"], first["resumed"]
     assert resumed == continued
     _assert_equal(at_end, resumed_end, "resumed vs continued")
-    # Before [Note: torch's distributed checkpoint], rank 0's moments stood for every rank's.
+    # Before [Note: torch's distributed checkpoint], one rank's moments stood for every rank's.
     for state in run_distributed(_load, 3, optim, path):
         _assert_equal(first["saved"], state, "saved at 2 ranks, loaded at 3")
 

@@ -37,9 +37,9 @@ from typing import Any, Dict, List, Set, Tuple
 
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
-from tiny_fsdp.core.torch_checkpoint import for_torch_checkpoint, refuse_torch_checkpoint
 from tiny_fsdp.core.optim.torch_rule import rule_kind, rule_name
 from tiny_fsdp.core.ownership import owner_of
+from tiny_fsdp.core.torch_checkpoint import for_torch_checkpoint, refuse_torch_checkpoint
 
 # Optimizers checked -> how many parameters they had then.
 _CHECKED: "weakref.WeakKeyDictionary[Any, int]" = weakref.WeakKeyDictionary()

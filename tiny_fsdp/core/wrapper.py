@@ -63,13 +63,13 @@ from tiny_fsdp.core.clip import HeldGrads, clip_grad_norm_
 from tiny_fsdp.core.local_state import LocalPiece, replicated_piece
 from tiny_fsdp.core.module import convert_module
 from tiny_fsdp.core.ownership import TAG_PREFIX, owner_of, tag_owner
-from tiny_fsdp.core.torch_checkpoint import for_torch_checkpoint
 from tiny_fsdp.core.precision import (
     MixedPrecisionPolicy,
     check_master_dtypes,
     low_precision_error,
     register_forward_casts,
 )
+from tiny_fsdp.core.torch_checkpoint import for_torch_checkpoint
 from tiny_fsdp.core.utils.arrival import announce_exit, every_rank_arrives
 from tiny_fsdp.core.utils.dist import check_backend_device, require_process_group
 from tiny_fsdp.core.utils.lockstep import mark_lockstep
@@ -392,7 +392,8 @@ class DataParallelWrapper(nn.Module):
     def _make_full_(self, entries: Dict[str, Any], prefix: str, keep_vars: bool) -> None:
         """Replace, in place, the entries of the parameters this strategy splits (keys
         ``prefix`` + ``managed_entries``' keys) by their full tensors: collectives, in
-        state-dict order on every rank; a tied parameter is gathered once."""
+        state-dict order on every rank; a tied parameter is gathered once. For torch's
+        distributed checkpoint, by ``checkpoint_part`` (FSDP: this rank's rows, no gather)."""
         full: Dict[int, torch.Tensor] = {}
         parts = for_torch_checkpoint()  # DCP saves each rank's part: [Note: torch's ...]
         for key, param in self.managed_entries():
