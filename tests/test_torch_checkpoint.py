@@ -26,6 +26,7 @@ from torch.distributed.checkpoint.state_dict import (
     get_optimizer_state_dict,
     get_state_dict,
     set_model_state_dict,
+    set_optimizer_state_dict,
     set_state_dict,
 )
 
@@ -127,7 +128,12 @@ def _load(rank: int, world: int, optim: str, path: str) -> StateT:
     set_state_dict(
         model, optimizer, model_state_dict=loaded["model"], optim_state_dict=loaded["optim"]
     )
-    return _full(model, optimizer)
+    state = _full(model, optimizer)
+    # Full plain tensors where each rank's rows are expected (no full_state_dict option).
+    full = get_optimizer_state_dict(model, optimizer, options=FULL)
+    with pytest.raises(ValueError, match="is a plain tensor"):
+        set_optimizer_state_dict(model, optimizer, full)
+    return state
 
 
 def _assert_equal(a: StateT, b: StateT, what: str, atol: float = 0.0) -> None:

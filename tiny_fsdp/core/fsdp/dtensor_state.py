@@ -143,7 +143,7 @@ def _as_local(
     key: str, value: Any, info: Optional[ShardedParam], padded: bool, what: str, name: Any
 ) -> Any:
     if not is_dtensor(value):
-        if isinstance(value, Tensor) and value.dim() > 0:
+        if info is not None and isinstance(value, Tensor) and value.dim() > 0:
             raise ValueError(
                 f"{what}.load_state_dict: state '{key}' of parameter {name!r} is a plain tensor; "
                 "through torch's distributed checkpoint an FSDP shard's state is a DTensor (the "
