@@ -86,6 +86,21 @@ def _full(model: nn.Module, optimizer: Any) -> StateT:
     return {k: v.clone() for k, v in weights.items()}, copy.deepcopy(optim)
 
 
+def _dcp_save(model: nn.Module, optimizer: Any, path: str) -> None:
+    model_sd, optim_sd = get_state_dict(model, optimizer)
+    dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=path)
+
+
+def _dcp_load(model: nn.Module, optimizer: Any, path: str) -> None:
+    """torchtitan's resume: the state dicts to fill, ``dcp.load`` into them, then set."""
+    model_sd, optim_sd = get_state_dict(model, optimizer)
+    loaded = {"model": model_sd, "optim": optim_sd}
+    dcp.load(loaded, checkpoint_id=path)
+    set_state_dict(
+        model, optimizer, model_state_dict=loaded["model"], optim_state_dict=loaded["optim"]
+    )
+
+
 def _save(rank: int, world: int, optim: str, path: str) -> Dict[str, Any]:
     """FSDP 2 steps, DCP save; a fresh pair loads it and steps on alongside the original.
     Also torch DDP + torch.optim.AdamW on the same data: the oracle for the saved state."""
@@ -98,17 +113,13 @@ def _save(rank: int, world: int, optim: str, path: str) -> Dict[str, Any]:
     for step in range(2):
         _step(model, optimizer, step, rank)
         _step(reference, reference_optim, step, rank)
-    model_sd, optim_sd = get_state_dict(model, optimizer)
+    model_sd = get_model_state_dict(model)
     local = {k: v.to_local() if isinstance(v, DTensor) else v for k, v in model_sd.items()}
     parts = {k: (type(model_sd[k]).__name__, tuple(v.shape)) for k, v in local.items()}
-    dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=path)
+    _dcp_save(model, optimizer, path)
 
     resumed, resumed_optim = _build("FSDP", optim, seed=1)
-    loaded = dict(zip(("model", "optim"), get_state_dict(resumed, resumed_optim)))
-    dcp.load(loaded, checkpoint_id=path)
-    set_state_dict(
-        resumed, resumed_optim, model_state_dict=loaded["model"], optim_state_dict=loaded["optim"]
-    )
+    _dcp_load(resumed, resumed_optim, path)
     saved = _full(model, optimizer)
     continued = [_step(model, optimizer, step, rank) for step in (2, 3)]
     again = [_step(resumed, resumed_optim, step, rank) for step in (2, 3)]
@@ -123,11 +134,7 @@ def _save(rank: int, world: int, optim: str, path: str) -> Dict[str, Any]:
 
 def _load(rank: int, world: int, optim: str, path: str) -> StateT:
     model, optimizer = _build("FSDP", optim, seed=2)
-    loaded = dict(zip(("model", "optim"), get_state_dict(model, optimizer)))
-    dcp.load(loaded, checkpoint_id=path)
-    set_state_dict(
-        model, optimizer, model_state_dict=loaded["model"], optim_state_dict=loaded["optim"]
-    )
+    _dcp_load(model, optimizer, path)
     state = _full(model, optimizer)
     # Full plain tensors where each rank's rows are expected (no full_state_dict option).
     full = get_optimizer_state_dict(model, optimizer, options=FULL)
@@ -229,12 +236,10 @@ def _between_fsdp2_and_ours(rank: int, world: int, path: str) -> Dict[str, float
         model, optimizer = save_with(0)
         for step in range(2):
             _step(model, optimizer, step, rank)
-        dcp.save(dict(zip("mo", get_state_dict(model, optimizer))), checkpoint_id=f"{path}/{name}")
+        _dcp_save(model, optimizer, f"{path}/{name}")
         continued = [_step(model, optimizer, step, rank) for step in (2, 3)]
         model, optimizer = load_with(1)
-        loaded = dict(zip("mo", get_state_dict(model, optimizer)))
-        dcp.load(loaded, checkpoint_id=f"{path}/{name}")
-        set_state_dict(model, optimizer, model_state_dict=loaded["m"], optim_state_dict=loaded["o"])
+        _dcp_load(model, optimizer, f"{path}/{name}")
         resumed = [_step(model, optimizer, step, rank) for step in (2, 3)]
         gaps[name] = max(abs(a - b) for a, b in zip(continued, resumed))
     return gaps
