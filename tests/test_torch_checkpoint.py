@@ -132,15 +132,20 @@ def _save(rank: int, world: int, optim: str, path: str) -> Dict[str, Any]:
     }
 
 
-def _load(rank: int, world: int, optim: str, path: str) -> StateT:
+def _load(rank: int, world: int, optim: str, path: str) -> Tuple[StateT, StateT]:
+    """DCP load; then the same state as a full state dict on rank 0, broadcast to a fresh
+    optimizer (pytorch/examples' FSDP2 way). Both full states."""
     model, optimizer = _build("FSDP", optim, seed=2)
     _dcp_load(model, optimizer, path)
     state = _full(model, optimizer)
-    # Full plain tensors where each rank's rows are expected (no full_state_dict option).
     full = get_optimizer_state_dict(model, optimizer, options=FULL)
+    # Full plain tensors where each rank's rows are expected (no full_state_dict option).
     with pytest.raises(ValueError, match="is a plain tensor"):
         set_optimizer_state_dict(model, optimizer, full)
-    return state
+    optimizer = type(optimizer)(model.parameters(), lr=1e-2)  # no state yet
+    options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
+    set_optimizer_state_dict(model, optimizer, full if rank == 0 else {}, options=options)
+    return state, _full(model, optimizer)
 
 
 def _assert_equal(a: StateT, b: StateT, what: str, atol: float = 0.0) -> None:
@@ -179,8 +184,9 @@ def test_fsdp_optimizer_state_saved_by_every_rank_loads_at_another_world_size(
     assert resumed == continued
     _assert_equal(at_end, resumed_end, "resumed vs continued")
     # Before [Note: torch's distributed checkpoint], one rank's moments stood for every rank's.
-    for state in run_distributed(_load, 3, optim, path):
+    for state, broadcast in run_distributed(_load, 3, optim, path):
         _assert_equal(first["saved"], state, "saved at 2 ranks, loaded at 3")
+        _assert_equal(first["saved"], broadcast, "loaded at 3, broadcast from rank 0")
 
 
 def _zero_refuses(rank: int, world: int) -> Dict[str, str]:
