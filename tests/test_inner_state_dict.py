@@ -148,3 +148,39 @@ def test_state_dict_keys_renamed_by_module_hooks_hold_full_tensors(tmp_path: Any
     into the model without the wrapper."""
     ranks = run_distributed(_renamed_keys_worker, 2, str(tmp_path / "ckpt"))
     assert ranks[0] == ["FSDP", "Zero3"]
+
+
+def _nested_worker(rank: int, world_size: int) -> List[str]:
+    """Every wrapper inside ``torch.compile``'s module and inside a container: the outer
+    module's ``load_state_dict`` of its own ``state_dict()`` form (taken from a twin with other
+    weights) gives exactly those weights."""
+    from tiny_fsdp import core
+
+    seen = []
+    for wrapper in STRATEGIES:
+        for outer in ("compiled", "container"):
+            models = []
+            for seed in (1, 2):
+                torch.manual_seed(seed)
+                model = getattr(core, wrapper)(
+                    nn.Sequential(nn.Linear(5, 7), nn.LayerNorm(7), nn.Linear(7, 3))
+                )
+                models.append(
+                    torch.compile(model) if outer == "compiled" else nn.ModuleDict({"net": model})
+                )
+            target, source = models
+            wanted = {key: value.clone() for key, value in source.state_dict().items()}
+            target.load_state_dict(wanted)
+            got = target.state_dict()
+            assert list(got) == list(wanted), (wrapper, outer, list(got))
+            assert all(torch.equal(got[key], wanted[key]) for key in wanted), (wrapper, outer)
+            seen.append(f"{wrapper}/{outer}")
+    return seen
+
+
+def test_a_wrapper_inside_another_module_loads_the_state_dict_it_gives() -> None:
+    """torch.compile(model) and containers save the wrapper's keys (the plain model's) and
+    load through torch's recursion, which looked for them under ``module.``: every wrapper
+    refused its own state dict ("Missing key(s) ... module.0.weight")."""
+    expected = [f"{w}/{o}" for w in STRATEGIES for o in ("compiled", "container")]
+    assert run_distributed(_nested_worker, 2) == [expected] * 2

@@ -22,9 +22,10 @@ so saving gathers nothing and no rank holds the full model, as with FSDP2. Names
 parameter by the path it walks from the model it is given, which under a wrapper starts with
 ``module.`` (it strips only torch DDP's), while our state dicts use the plain model's keys. So
 the wrapper gives DCP the contract it has for such modules (``_fqn_modifiers``: each top-level
-key lives under ``module``) and, when DCP asks, ``named_parameters`` without the prefix: model
-and optimizer keys are the plain model's, as under torch DDP and FSDP2, and checkpoints move
-between those and ours (FSDP2's DTensor layout is ours too), and ``set_model_state_dict(...,
+key lives under ``module``) and, when DCP asks, ``named_modules`` (so ``named_parameters``, also
+of a ``torch.compile`` module around the wrapper) without the prefix: model and optimizer keys
+are the plain model's, as under torch DDP and FSDP2, and checkpoints move between those and ours
+(FSDP2's DTensor layout is ours too), and ``set_model_state_dict(...,
 broadcast_from_rank0=True)`` finds its keys on every rank.
 """
 

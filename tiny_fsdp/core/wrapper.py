@@ -149,6 +149,7 @@ class DataParallelWrapper(nn.Module):
         self.require_backward_grad_sync = True
         self.enable_async_communication = enable_async_communication
         self._local_state_dicts = 0  # > 0 while local_state_dict() runs
+        self.register_load_state_dict_pre_hook(_keys_under_module_hook)  # as a submodule
         if self.gathers_full_tensors:  # [Note: the inner model's state dict]
             self.module.register_state_dict_post_hook(_full_tensors_hook)
             self.module.register_load_state_dict_pre_hook(_load_full_tensors_hook)
@@ -348,27 +349,41 @@ class DataParallelWrapper(nn.Module):
             out[prefix + key] = value
         return out
 
-    def _fqn_modifiers(self) -> Dict[str, str]:
-        """torch's distributed checkpoint's contract for a module whose state-dict keys skip a
-        child: every top-level name of ``state_dict()`` lives under ``module`` ([Note: torch's
-        distributed checkpoint])."""
+    def top_level_names(self) -> List[str]:
+        """The first components of ``state_dict()``'s keys: the model's children, parameters
+        and buffers (its keys are the plain model's, without ``module.``)."""
         inner = self.module
         named = chain(
             inner.named_children(),
             inner.named_parameters(recurse=False),
             inner.named_buffers(recurse=False),
         )
-        return {name: "module" for name, _ in named}
+        return [name for name, _ in named]
 
-    def named_parameters(
-        self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True
-    ) -> Iterator[Tuple[str, nn.Parameter]]:
-        """``nn.Module``'s (names start with ``module.``, as torch DDP's), except for torch's
-        distributed checkpoint, which names parameters by the plain model's keys as it does
-        under torch DDP and FSDP2 ([Note: torch's distributed checkpoint])."""
-        if recurse and for_torch_checkpoint():
-            return self.module.named_parameters(prefix, recurse, remove_duplicate)
-        return super().named_parameters(prefix, recurse, remove_duplicate)
+    def _fqn_modifiers(self) -> Dict[str, str]:
+        """torch's distributed checkpoint's contract for a module whose state-dict keys skip a
+        child: every top-level name of ``state_dict()`` lives under ``module`` ([Note: torch's
+        distributed checkpoint])."""
+        return {name: "module" for name in self.top_level_names()}
+
+    def named_modules(
+        self, memo: Optional[set] = None, prefix: str = "", remove_duplicate: bool = True
+    ) -> Iterator[Tuple[str, nn.Module]]:
+        """``nn.Module``'s (the model's modules under ``module.``, as torch DDP's), except for
+        torch's distributed checkpoint, which names parameters by the plain model's keys as it
+        does under torch DDP and FSDP2: there the model's modules come under the wrapper's own
+        prefix, so ``named_parameters()`` says ``a.weight``, also from a ``torch.compile``
+        module around the wrapper ([Note: torch's distributed checkpoint])."""
+        if not for_torch_checkpoint():
+            yield from super().named_modules(memo, prefix, remove_duplicate)
+            return
+        memo = set() if memo is None else memo
+        if self in memo:
+            return
+        if remove_duplicate:
+            memo.add(self)
+        yield prefix, self
+        yield from self.module.named_modules(memo, prefix, remove_duplicate)
 
     def local_state_dict(self, keep_vars: bool = False) -> Dict[str, Any]:
         """The inner model's own state dict: what this rank holds (shards, owned tensors)."""
@@ -563,6 +578,21 @@ def _full_tensors_hook(
     what = f"model.module.state_dict() of a {type(wrapper).__name__} model"
     every_rank_arrives(what, _STATE_DICT_FIX)
     wrapper._make_full_(state_dict, prefix, keep_vars=False)
+
+
+def _keys_under_module_hook(
+    wrapper: "DataParallelWrapper", state_dict: Dict[str, Any], prefix: str, *args: Any
+) -> None:
+    """Load-state-dict pre-hook of a wrapper loaded as a submodule (of ``torch.compile``'s
+    module, of a container): the state dict its ``state_dict()`` wrote has the plain model's
+    keys under ``prefix``, where torch's recursion looks for them under ``prefix + "module."``;
+    a key already there (torch DDP's layout) stays. Loading the wrapper itself
+    (``load_state_dict``) does not come here."""
+    top = set(wrapper.top_level_names())
+    for key in [k for k in state_dict if k.startswith(prefix)]:
+        rest = key[len(prefix) :]
+        if rest.split(".", 1)[0] in top:
+            state_dict[f"{prefix}module.{rest}"] = state_dict.pop(key)
 
 
 @torch.no_grad()
