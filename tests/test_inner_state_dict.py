@@ -19,8 +19,8 @@ from tests.harness import run_distributed
 STRATEGIES = ("DDP", "Zero1", "Zero2", "FSDP", "Zero3")
 
 
-def _plain() -> nn.Module:
-    torch.manual_seed(0)
+def _plain(seed: int = 0) -> nn.Module:
+    torch.manual_seed(seed)
     return nn.Sequential(nn.Linear(5, 7), nn.LayerNorm(7), nn.Linear(7, 3))
 
 
@@ -161,10 +161,7 @@ def _nested_worker(rank: int, world_size: int) -> List[str]:
         for outer in ("compiled", "container"):
             models = []
             for seed in (1, 2):
-                torch.manual_seed(seed)
-                model = getattr(core, wrapper)(
-                    nn.Sequential(nn.Linear(5, 7), nn.LayerNorm(7), nn.Linear(7, 3))
-                )
+                model = getattr(core, wrapper)(_plain(seed))
                 models.append(
                     torch.compile(model) if outer == "compiled" else nn.ModuleDict({"net": model})
                 )

@@ -178,8 +178,10 @@ def test_fsdp_optimizer_state_saved_by_every_rank_loads_at_another_world_size(
         }
     first = ranks[0]
     assert first["saved"][1]["a.weight"]["exp_avg"].shape == (7, 4), "the full state, not a shard"
-    # torch DDP's gradients are the same averages, summed in another order: atol 1e-6.
-    _assert_equal(first["torch_ddp"], first["saved"], "FSDP vs torch DDP", atol=1e-6)
+    # Bit for bit with torch.optim.AdamW on both sides (measured); our AdamW's fused CPU kernel
+    # rounds the moments (~1e-2) otherwise than torch's foreach ops: measured <= 1e-8, atol 1e-7.
+    atol = 0.0 if optim == "torch" else 1e-7
+    _assert_equal(first["torch_ddp"], first["saved"], "FSDP vs torch DDP", atol=atol)
     (continued, at_end), (resumed, resumed_end) = first["continued"], first["resumed"]
     assert resumed == continued
     _assert_equal(at_end, resumed_end, "resumed vs continued")

@@ -15,8 +15,6 @@ from torch import Tensor
 from tiny_fsdp.core.fsdp import dtensor_state
 from tiny_fsdp.core.fsdp.sharded_param import shard_info
 from tiny_fsdp.core.optim import SGD, AdamW, BaseOptimizer
-from tiny_fsdp.core.optim.base import LOCAL_STATE_KEY, rank_and_world
-from tiny_fsdp.core.torch_checkpoint import for_torch_checkpoint
 
 
 class _ShardUpdates(BaseOptimizer):
@@ -56,16 +54,11 @@ class _ShardUpdates(BaseOptimizer):
         """Rows as ``Shard(0)`` DTensors ([Note: torch's distributed checkpoint])."""
         return dtensor_state.to_dtensors(state, self.param_groups, padded=False)
 
-    def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
-        """torch.optim's, for this rank's own state or for the DTensor form that torch's
-        distributed checkpoint loads (at any world size: each rank's rows are checked, then
-        kept); any other rank's state is refused ([Note: local optimizer state])."""
-        if for_torch_checkpoint():
-            local = dtensor_state.from_dtensors(
-                state_dict, self.param_groups, padded=False, what=type(self).__name__
-            )
-            state_dict = {**local, LOCAL_STATE_KEY: rank_and_world()}
-        super().load_state_dict(state_dict)
+    def _from_torch_checkpoint_form(self, state_dict: Dict[str, Any]) -> Dict[str, Any]:
+        """This rank's rows of each DTensor, checked (any world size)."""
+        return dtensor_state.from_dtensors(
+            state_dict, self.param_groups, padded=False, what=type(self).__name__
+        )
 
     def _tensors_to_update(self, group: Dict[str, Any]) -> Iterator[Tuple[Tensor, Tensor, dict]]:
         for param, grad, state in super()._tensors_to_update(group):

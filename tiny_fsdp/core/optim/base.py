@@ -64,7 +64,7 @@ def batch_limit(device: torch.device) -> int:
 LOCAL_STATE_KEY = "tiny_fsdp_local_state"
 
 
-def rank_and_world() -> dict[str, int]:
+def _rank_and_world() -> dict[str, int]:
     from torch import distributed as dist
 
     if dist.is_available() and dist.is_initialized():
@@ -283,7 +283,7 @@ class BaseOptimizer(torch.optim.Optimizer):
         if self.grads_are_sharded:
             if for_torch_checkpoint():
                 return self._torch_checkpoint_form(state)
-            state[LOCAL_STATE_KEY] = rank_and_world()
+            state[LOCAL_STATE_KEY] = _rank_and_world()
         return state
 
     def _torch_checkpoint_form(self, state: dict[str, Any]) -> dict[str, Any]:
@@ -292,12 +292,19 @@ class BaseOptimizer(torch.optim.Optimizer):
         distributed checkpoint])."""
         refuse_torch_checkpoint(type(self).__name__)
 
+    def _from_torch_checkpoint_form(self, state_dict: dict[str, Any]) -> dict[str, Any]:
+        """``_torch_checkpoint_form``'s inverse: this rank's part, checked."""
+        refuse_torch_checkpoint(type(self).__name__)
+
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """torch.optim's ``load_state_dict``; a state of one rank's part loads on that rank
-        only ([Note: local optimizer state])."""
-        if self.grads_are_sharded:
+        only ([Note: local optimizer state]), or comes in the form torch's distributed
+        checkpoint loads, which says whose part each tensor is."""
+        if self.grads_are_sharded and for_torch_checkpoint():
+            state_dict = self._from_torch_checkpoint_form(state_dict)
+        elif self.grads_are_sharded:
             saved = state_dict.get(LOCAL_STATE_KEY)
-            here = rank_and_world()
+            here = _rank_and_world()
             if saved != here:
                 taken = "has no rank tag"
                 if saved is not None:
