@@ -28,10 +28,20 @@ parts live in ``example/bench/``.
   global batch on rank 0 alone. ``--one_phase`` puts every selected strategy in one phase and
   adds each one's paired ratio to our DDP (the floor a sharded strategy can reach: its extra
   collectives hidden behind compute).
-- Every strategy trains ``warmup + steps + 1`` steps on the same batches. A timed step is forward,
-  backward, optimizer step and zero_grad between a barrier and the slowest rank's end; reported:
-  median and min-max over the ``steps`` measured ones, tokens/s of the global batch, and the
-  median of the per-round ratios to the PyTorch counterpart (robust to drifting load).
+- A round gives every strategy of the phase its turn: ``settle`` untimed steps (default 1), then
+  one step, timed after the ``warmup`` first rounds. So a timed step follows a step of the same
+  strategy, as every step of a training run does. Timed right after another strategy's step,
+  a step pays for the other's traces (caches, the freed heap, transparent huge pages to
+  defragment): on the 2-core development machine (gpt2_mini, 2 ranks) FSDP's first unit, the
+  embedding's all-gather and copy-out, took 135-138 ms after our DDP's step and 31-38 ms after
+  its own. And with the order flipping every round, the first and last strategy of a phase
+  follow themselves every other round, the others never: ``--settle 0`` measured FSDP / our
+  DDP 1.08 where the default measured 1.03 (FSDP / FSDP2 0.92 and 0.91), one run each.
+- Every strategy trains ``1 + (warmup + steps - 1) * (settle + 1) + 1`` steps on the same
+  batches. A timed step is forward, backward, optimizer step and zero_grad between a barrier
+  and the slowest rank's end; reported: median and min-max over the ``steps`` measured ones,
+  tokens/s of the global batch, and the median of the per-round ratios to the PyTorch
+  counterpart (robust to drifting load).
 - The last step is the memory probe (untimed). All meters are ``tiny_fsdp.core.memory``'s
   ([Note: allocation meters]). ``peak`` = bytes the strategy keeps (``allocated_bytes`` from
   just before its build to after its first step) + the highest growth during the probe step
@@ -88,7 +98,14 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
         help="all strategies interleaved in one phase; adds each one's ratio to our ddp",
     )
     p.add_argument("--steps", type=int, default=20, help="measured steps per strategy")
-    p.add_argument("--warmup", type=int, default=2, help="unmeasured steps first (>= 1)")
+    p.add_argument("--warmup", type=int, default=2, help="unmeasured rounds first (>= 1)")
+    p.add_argument(
+        "--settle",
+        type=int,
+        default=1,
+        help="untimed steps a strategy takes right before each timed one, so that it is timed "
+        "after its own step, as in training (0: after another strategy's)",
+    )
     p.add_argument("--batch_size", type=int, default=2, help="sequences per rank")
     p.add_argument("--seq_len", type=int, default=128)
     p.add_argument("--lr", type=float, default=3e-4)
@@ -120,6 +137,8 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     args.strategies = [s for s in args.strategies.split(",") if s]
     if args.warmup < 1 or args.steps < 1:
         p.error("--warmup and --steps must be >= 1 (the first step creates optimizer state)")
+    if args.settle < 0:
+        p.error("--settle must be >= 0")
     try:
         select_phases(args.strategies, args.compare, args.one_phase)
     except ValueError as e:

@@ -81,7 +81,8 @@ def header_line(
     return (
         f"{args.model} ({n_params / 1e6:.2f} M parameters), {world_size} ranks on {device} "
         f"({backend}, {args.threads} thread(s) each), batch {args.batch_size} x {args.seq_len} "
-        f"per rank, {optimizer}, {args.steps} measured steps after {args.warmup} warm-up, "
+        f"per rank, {optimizer}, {args.steps} measured steps after {args.warmup} warm-up round(s), "
+        f"each right after {args.settle} untimed step(s) of the same strategy, "
         f"async_comm={args.async_comm}; machine load average (1 min) during the rounds: median "
         f"{statistics.median(loads):.1f}, range {min(loads):.1f}-{max(loads):.1f}"
     )

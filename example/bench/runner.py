@@ -99,7 +99,7 @@ class Runner:
         self.memory: Dict[str, Any] = {}
         # --trace: our strategies' last timed step ([Note: trace recorder]); records per rank.
         traced = getattr(args, "trace", None) and name in OURS
-        self.trace_index = args.warmup + args.steps - 1 if traced else None
+        self.trace_index = last_timed_index(args) if traced else None
         self.trace_records: Dict[str, Any] = dict(rank=env.rank, spans=[], comms=[], samples=[])
         base_rss = None
         if env.device.type == "cpu":
@@ -174,6 +174,12 @@ class Runner:
                     peak=peak, active=self.active)  # fmt: skip
 
 
+def last_timed_index(args: argparse.Namespace) -> int:
+    """Index of every runner's last timed step: step 0 (its build), then ``warmup + steps - 1``
+    rounds of ``settle + 1`` steps each ([Note: benchmark method])."""
+    return (args.warmup + args.steps - 1) * (args.settle + 1)
+
+
 def warm_up_libraries(env: DistEnv) -> None:
     """One throwaway step of a tiny model, plain and wrapped: lazy initialisations (autograd
     threads, kernels, allocator pools) then do not count as the first strategy's memory."""
@@ -202,7 +208,7 @@ def run_phases(
 
     warm_up_libraries(env)
     phases = select_phases(args.strategies, args.compare, args.one_phase)
-    total = sum(len(phase) for phase in phases) * (args.warmup + args.steps + 1)
+    total = sum(len(phase) for phase in phases) * (last_timed_index(args) + 2)
     bar = tqdm(total=total, disable=not env.is_master, file=sys.stderr, dynamic_ncols=True)
     results: Dict[str, List[dict]] = {}
     loads: List[float] = []
@@ -212,16 +218,19 @@ def run_phases(
             bar.set_description(f"build {name}")
             runners.append(Runner(name, args, env, batches, make_model))
             bar.update(1)
-        for index in range(1, args.warmup + args.steps):
+        for round_ in range(1, args.warmup + args.steps):
             loads.append(os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan"))
-            order = runners if index % 2 else runners[::-1]
+            order = runners if round_ % 2 else runners[::-1]
+            first = (round_ - 1) * (args.settle + 1) + 1  # step 0 was each runner's build
             for runner in order:
                 bar.set_description(runner.name)
-                runner.step(index, timed=index >= args.warmup)
-                bar.update(1)
+                for index in range(first, first + args.settle + 1):
+                    timed = round_ >= args.warmup and index == first + args.settle
+                    runner.step(index, timed=timed)
+                    bar.update(1)
         for runner in runners:
             bar.set_description(f"probe {runner.name}")
-            runner.step(args.warmup + args.steps, probe=True)
+            runner.step(last_timed_index(args) + 1, probe=True)
             bar.update(1)
         for runner in runners:
             gathered: List[Any] = [None] * env.world_size
