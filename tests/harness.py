@@ -49,7 +49,7 @@ import threading
 import time
 import traceback
 from multiprocessing.connection import Connection, wait
-from typing import Any, Callable, Iterator, Optional, Sequence
+from typing import Any, Callable, Dict, Iterator, Optional, Sequence
 
 import pytest
 
@@ -167,13 +167,16 @@ def run_distributed(
             raise
 
 
-def run_script_ranks(script: str, world_size: int, timeout: float = 120.0) -> list[tuple[int, str]]:
+def run_script_ranks(
+    script: str, world_size: int, timeout: float = 120.0, env: Optional[Dict[str, str]] = None
+) -> list[tuple[int, str]]:
     """Run ``python <script>`` (a path from the repository root) as ranks ``0..world_size-1`` of
-    one gloo job (``RANK`` / ``WORLD_SIZE`` / ``MASTER_*`` set, as ``torchrun`` does), for tests
-    of what happens when processes exit; returns each rank's (exit code, output)."""
+    one gloo job (``RANK`` / ``WORLD_SIZE`` / ``MASTER_*`` set, as ``torchrun`` does, and ``env``
+    added), for tests of what happens when processes exit or of settings read at start-up;
+    returns each rank's (exit code, output)."""
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=REPO_ROOT, GLOO_SOCKET_IFNAME="lo",
                WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1",
-               MASTER_PORT=str(_free_port()))  # fmt: skip
+               MASTER_PORT=str(_free_port()), **(env or {}))  # fmt: skip
     procs = [
         subprocess.Popen(
             [sys.executable, script],

@@ -13,8 +13,15 @@ forwards in lockstep] in ``tiny_fsdp/core/utils/lockstep.py``).
   identical blocks the gathers would pair across blocks and train wrong without a sign (as under
   FSDP2). FSDP raises at the end of that backward instead ([Note: ranks out of step] in
   ``tiny_fsdp/core/prefetch.py``), with prefetch on and off.
+- A block skipped on one rank only, where the ranks then issue different numbers of collectives:
+  their next collectives differ in kind or size and the ranks wait for each other (a 90 s run
+  of FSDP and of ZeRO-3 was killed waiting, as FSDP2 waits). ``TORCH_DISTRIBUTED_DEBUG=DETAIL``
+  makes torch compare every collective across ranks before running it: then every rank raises
+  torch's "Detected mismatch between collectives", naming both, under FSDP and ZeRO-3.
 """
 
+import os
+import sys
 from typing import Any, Dict, List
 
 import pytest
@@ -24,7 +31,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from tests.build import build, sgd
-from tests.harness import run_distributed
+from tests.harness import run_distributed, run_script_ranks
 
 GATHERING = ("fsdp", "zero3")
 NEW_TOKENS, STEPS = 24, 3
@@ -175,3 +182,29 @@ def _skip_per_rank(rank: int, world_size: int, prefetch: bool) -> str:
 def test_a_block_skipped_on_one_rank_only_raises_instead_of_training_wrong(prefetch: bool):
     messages = run_distributed(_skip_per_rank, 2, prefetch)
     assert messages[0] == messages[1]
+
+
+@pytest.mark.parametrize("strategy", GATHERING)
+def test_with_torchs_debug_mode_a_rank_left_behind_raises_on_every_rank(strategy: str) -> None:
+    script = os.path.join("tests", "test_lockstep.py")
+    env = {"TORCH_DISTRIBUTED_DEBUG": "DETAIL", "LOCKSTEP_STRATEGY": strategy}
+    for rank, (code, out) in enumerate(run_script_ranks(script, 2, timeout=60.0, env=env)):
+        assert code != 0 and "Detected mismatch between collectives" in out, (rank, out[-3000:])
+
+
+def _left_behind_main() -> None:
+    """A launched rank: rank 1 skips block 1 in the second step, rank 0 runs every block."""
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    torch.manual_seed(0)
+    model, optimizer = build(os.environ["LOCKSTEP_STRATEGY"], _SkippingModel(), sgd(lr=0.1))
+    for step in range(2):
+        x = torch.randn(4, 8, generator=torch.Generator().manual_seed(rank))
+        model(x, skip=1 if rank == 1 and step == 1 else -1).sum().backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    sys.exit("every rank ran every collective: the test's premise is gone")
+
+
+if __name__ == "__main__":
+    _left_behind_main()

@@ -39,7 +39,8 @@ off:
 [Note: ranks out of step]
 Collectives pair in the order the ranks issue them. If one rank skips a unit that another runs
 (a LayerDrop of the model's own whose draws differ per rank, a branch on this rank's data), the
-next unshards pair across different units: of other sizes, gloo stops and NCCL hangs; of the
+next unshards pair across different units: of other sizes or kinds, gloo stops or waits and
+NCCL hangs ([Note: forwards in lockstep]: ``TORCH_DISTRIBUTED_DEBUG=DETAIL`` names them); of the
 same size (identical blocks), every rank computes with a mix of two blocks' parameters and
 trains wrong without a sign (measured: 8.9e-3 off torch's DDP after three SGD steps, as under
 FSDP2). So every unshard this prefetcher issues, on demand or ahead, folds the unit's index

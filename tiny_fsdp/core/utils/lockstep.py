@@ -18,9 +18,11 @@ gradient on that rank, as with any unused parameter ([Note: unit reduction]).
 
 A model's own per-rank branch (``if x[0, 0] % 2: h = self.extra(h)``) is not kept in step.
 Where the collectives that pair differ in size it stops gloo ("Received data size doesn't
-match") or hangs NCCL, as under FSDP2 (``TORCH_DISTRIBUTED_DEBUG=DETAIL`` has torch name the two
-ranks' collectives); where they match (identical blocks), FSDP2 trains wrong without a sign and
-we raise at the end of the backward ([Note: ranks out of step] in ``prefetch.py``).
+match") or, where they differ in kind (a rank left behind meets a reduce with a broadcast),
+leaves the ranks waiting; NCCL hangs; all as under FSDP2. ``TORCH_DISTRIBUTED_DEBUG=DETAIL``
+has torch compare each collective across ranks first: every rank then raises, naming both
+(``tests/test_lockstep.py``). Where they match (identical blocks), FSDP2 trains wrong without a
+sign and we raise at the end of the backward ([Note: ranks out of step] in ``prefetch.py``).
 
 Dynamo reads the same attribute (it then treats the module's parameters as inputs, and requires
 ``_fsdp_use_orig_params``, set too, which is true here: the parameters are the model's own); it
