@@ -29,7 +29,8 @@ parts live in ``example/bench/``.
   adds each one's paired ratio to our DDP (the floor a sharded strategy can reach: its extra
   collectives hidden behind compute).
 - A round gives every strategy of the phase its turn: ``settle`` untimed steps (default 1), then
-  one step, timed after the ``warmup`` first rounds. So a timed step follows a step of the same
+  one step, timed from round ``warmup`` on (round 0 is each strategy's first step, taken when it
+  is built, which creates its optimizer state). So a timed step follows a step of the same
   strategy, as every step of a training run does. Timed right after another strategy's step,
   a step pays for the other's traces (caches, the freed heap, transparent huge pages to
   defragment): on the 2-core development machine (gpt2_mini, 2 ranks) FSDP's first unit, the
@@ -98,7 +99,9 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
         help="all strategies interleaved in one phase; adds each one's ratio to our ddp",
     )
     p.add_argument("--steps", type=int, default=20, help="measured steps per strategy")
-    p.add_argument("--warmup", type=int, default=2, help="unmeasured rounds first (>= 1)")
+    p.add_argument(
+        "--warmup", type=int, default=2, help="unmeasured rounds first, the build's step one (>= 1)"
+    )
     p.add_argument(
         "--settle",
         type=int,

@@ -421,8 +421,8 @@ def test_estimator_cli_prints_every_strategy(capsys: pytest.CaptureFixture) -> N
 
 
 def _benchmark(rank: int, world_size: int, out: str) -> Any:
-    """``example/benchmark.py`` minus torchrun: the build's step, 1 warm-up round, 1 measured
-    round (a settling step, then the timed one) and the probe step."""
+    """``example/benchmark.py`` minus torchrun: the build's step (the one warm-up round), 1
+    measured round (a settling step, then the timed one) and the probe step."""
     from example import benchmark
     from tiny_fsdp.core.utils.dist import DistEnv
 
