@@ -84,6 +84,6 @@ def test_a_second_backward_through_a_kept_graph_trains_as_one_device() -> None:
     for strategy in STRATEGIES:
         # One device vs 2 ranks: the sums of the reduction differ in order only (float32, 3
         # AdamW steps at lr 1e-2 on weights of size ~0.5): measured 1.5e-8 for each.
-        assert gaps[strategy] < 1e-6, (strategy, gaps[strategy])
+        assert gaps[strategy] < 1e-7, (strategy, gaps[strategy])
     # torch's DDP: the second backward's gradient differs between ranks (not reduced)
     assert gaps["torch_ddp_second_backward_across_ranks"] > 1e-3
