@@ -28,6 +28,14 @@ parts live in ``example/bench/``.
   global batch on rank 0 alone. ``--one_phase`` puts every selected strategy in one phase and
   adds each one's paired ratio to our DDP (the floor a sharded strategy can reach: its extra
   collectives hidden behind compute).
+- ``no_comm`` (opt-in: ``--strategies no_comm,...``, measured in DDP's phase) is the floor below
+  that: each rank trains the plain model on its own batch with our optimizer and no collective,
+  under the same load, so every other strategy of its phase gets its ratio to it (what its
+  communication costs). Its losses are the ranks' own, not the global batch's: not compared.
+  On the 2-core development machine (gpt2_mini, batch 4 x 256, 2 ranks, the README's command
+  with ``no_comm`` added to ``--strategies``) no_comm took 0.98 x our DDP's step time; per
+  no_comm step: DDP 1.02, ZeRO-1 1.05, ZeRO-2 1.04, ZeRO-3 1.10, FSDP 1.12, torch DDP 1.07,
+  ZeroRedundancyOptimizer 1.13, FSDP2 1.21 (one run).
 - A round gives every strategy of the phase its turn: ``settle`` untimed steps (default 1), then
   one step, timed from round ``warmup`` on (round 0 is each strategy's first step, taken when it
   is built, which creates its optimizer state). So a timed step follows a step of the same
@@ -69,7 +77,7 @@ import argparse
 import json
 import os
 import sys
-from typing import List, Optional
+from typing import Dict, List, Optional
 
 import torch
 import torch.distributed as dist
@@ -77,7 +85,7 @@ import torch.distributed as dist
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from example.bench.plots import plot  # noqa: E402
 from example.bench.report import header_line, markdown_table, ratio_lines, summarize  # noqa: E402
-from example.bench.runner import NAMES, run_phases, select_phases  # noqa: E402
+from example.bench.runner import NAMES, NO_COMM, run_phases, select_phases  # noqa: E402
 from example.data import TokenBatches, check_vocab, load_tokens  # noqa: E402
 from example.model import GPTConfigs  # noqa: E402
 from example.models import model_names, model_spec  # noqa: E402
@@ -96,7 +104,8 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     p.add_argument(
         "--one_phase",
         action="store_true",
-        help="all strategies interleaved in one phase; adds each one's ratio to our ddp",
+        help="all strategies interleaved in one phase; adds each one's ratio to our ddp "
+        "(and to no_comm, if chosen)",
     )
     p.add_argument("--steps", type=int, default=20, help="measured steps per strategy")
     p.add_argument(
@@ -159,6 +168,14 @@ def load_batches(args: argparse.Namespace, vocab_size: int) -> TokenBatches:
     return TokenBatches(tokens, args.seq_len, args.seed, source=args.data or "embedded")
 
 
+def floors(args: argparse.Namespace) -> Dict[str, List[str]]:
+    """floor -> the strategies of its phase, which the ratio lines divide by it: our DDP with
+    ``--one_phase``, and ``no_comm`` where chosen ([Note: benchmark method])."""
+    names = ["ddp", NO_COMM] if args.one_phase else [NO_COMM]
+    phases = select_phases(args.strategies, args.compare, args.one_phase)
+    return {floor: phase for phase in phases for floor in phase if floor in names}
+
+
 def main(argv: Optional[List[str]] = None) -> None:
     args = parse_args(argv)
     torch.set_num_threads(args.threads)
@@ -178,7 +195,7 @@ def main(argv: Optional[List[str]] = None) -> None:
             meta = spec.make()
         estimates = estimate_model(meta, env.world_size, "fp32", args.optimizer)
         predicted = {k: max(r.model_states for r in v) for k, v in estimates.items()}
-        rows = summarize(results, tokens, predicted, floor="ddp" if args.one_phase else None)
+        rows = summarize(results, tokens, predicted, floors(args))
         os.makedirs(args.out, exist_ok=True)
         header = header_line(
             args, spec.num_parameters(), env.world_size, env.device.type, dist.get_backend(), loads

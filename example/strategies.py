@@ -77,6 +77,15 @@ def _single_device(make_model, args, env):
     return model, _optimizer(AdamW, SGD, model.named_parameters(), decayed_names(model), args)
 
 
+def no_comm(make_model, args, env):
+    """The benchmark's floor, not a strategy: the plain model and our optimizer on this rank's
+    batch alone, with no collective (the ranks' models drift apart)."""
+    from tiny_fsdp.core.optim import SGD, AdamW
+
+    plain = make_model().to(env.device)
+    return plain, _optimizer(AdamW, SGD, plain.named_parameters(), decayed_names(plain), args)
+
+
 def _ddp(make_model, args, env):
     from tiny_fsdp.core.ddp import DDP, DDPSGD, DDPAdamW
 

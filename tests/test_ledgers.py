@@ -17,13 +17,13 @@ import functools
 import math
 import time
 from collections import OrderedDict
-from typing import Any, Dict, List, Tuple
+from typing import Any, Dict, List, Sequence, Tuple
 
 import pytest
 import torch
 from torch import nn
 
-from example.bench.runner import PHASES
+from example.bench.runner import OPT_IN, PHASES
 from tests.build import adamw, build
 from tests.harness import run_distributed
 from tests.parity import global_batch, lm_loss, local_slice, make_model
@@ -420,7 +420,7 @@ def test_estimator_cli_prints_every_strategy(capsys: pytest.CaptureFixture) -> N
 # ------------------------------------------------------------------ benchmark smoke test
 
 
-def _benchmark(rank: int, world_size: int, out: str) -> Any:
+def _benchmark(rank: int, world_size: int, out: str, extra: Sequence[str] = ()) -> Any:
     """``example/benchmark.py`` minus torchrun: the build's step (the one warm-up round), 1
     measured round (a settling step, then the timed one) and the probe step."""
     from example import benchmark
@@ -428,7 +428,7 @@ def _benchmark(rank: int, world_size: int, out: str) -> Any:
 
     args = benchmark.parse_args(
         ["--model", "gpt2_tiny", "--steps", "1", "--warmup", "1", "--seq_len", "8"]
-        + ["--data", "random", "--out", out]
+        + ["--data", "random", "--out", out, *extra]
     )
     env = DistEnv(rank, rank, world_size, torch.device("cpu"))
     batches = benchmark.load_batches(args, make_model().config.vocab_size)
@@ -438,13 +438,14 @@ def _benchmark(rank: int, world_size: int, out: str) -> Any:
     with torch.device("meta"):
         estimates = estimate_model(make_model(), world_size)
     predicted = {k: max(r.model_states for r in v) for k, v in estimates.items()}
-    rows = benchmark.summarize(results, 2 * 8 * world_size, predicted)
-    return rows, benchmark.markdown_table(rows), benchmark.plot(rows, out)
+    rows = benchmark.summarize(results, 2 * 8 * world_size, predicted, benchmark.floors(args))
+    table = benchmark.markdown_table(rows) + "\n" + benchmark.ratio_lines(rows)
+    return rows, table, benchmark.plot(rows, out)
 
 
 def test_benchmark_runs_every_strategy_and_reports(tmp_path) -> None:
     rows, table, plots = run_distributed(_benchmark, 2, str(tmp_path))[0]
-    assert list(rows) == [name for phase in PHASES for name in phase]
+    assert list(rows) == [name for phase in PHASES for name in phase if name not in OPT_IN]
     single = rows["single_device"]["losses"]
     for name, row in rows.items():
         assert f"| {name} |" in table
@@ -462,6 +463,24 @@ def test_benchmark_runs_every_strategy_and_reports(tmp_path) -> None:
     assert rows["torch_zero"]["comm"]["broadcast"][0] > 0
     for path in plots:
         assert path.endswith(".png") and (tmp_path / path.split("/")[-1]).stat().st_size > 0
+
+
+def test_benchmark_no_comm_is_the_floor_every_strategy_of_its_phase_is_divided_by(tmp_path):
+    """``no_comm``: each rank steps its own model, so it starts no collective at all; with
+    ``--one_phase`` every strategy's line gives its step time over no_comm's and over our
+    DDP's."""
+    extra = ["--strategies", "no_comm,ddp,fsdp", "--one_phase"]
+    rows, table, _ = run_distributed(_benchmark, 2, str(tmp_path), extra)[0]
+    assert list(rows) == ["ddp", "no_comm", "fsdp"]  # in the order of PHASES
+    assert rows["no_comm"]["comm"] == {}
+    assert "| no_comm |" in table and "-) |" in table.split("| no_comm |")[1].split("\n")[0]
+    for name in ("ddp", "fsdp"):
+        assert f"{name} / no_comm: " in table
+    assert "no_comm / ddp: " in table and "fsdp / ddp: " in table
+    # Step 0: the same initial weights on every rank, so the mean of the ranks' own losses
+    # is the global batch's loss. After one step each rank's model has seen only its batch.
+    assert rows["no_comm"]["losses"][0] == pytest.approx(rows["ddp"]["losses"][0], abs=1e-6)
+    assert abs(rows["no_comm"]["losses"][-1] - rows["ddp"]["losses"][-1]) > 1e-5
 
 
 def _torch_fused(rank: int, world_size: int) -> Dict[str, Any]:

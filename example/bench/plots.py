@@ -4,6 +4,7 @@ import os
 from typing import Dict, List
 
 from example.bench.report import pick_unit
+from example.bench.runner import NO_COMM
 
 STATE_PARTS = ["params", "grads", "optimizer", "buffers"]
 
@@ -59,7 +60,7 @@ def _step_time(plt, rows: Dict[str, dict]):
 def _loss(plt, rows: Dict[str, dict]):
     fig, (top, bottom) = plt.subplots(2, 1, figsize=(8, 7), sharex=True)
     single = rows.get("single_device", {}).get("losses")
-    for name in rows:
+    for name in (n for n in rows if n != NO_COMM):  # no_comm: no global batch, no loss to show
         style = "--" if name.startswith("torch") else "-"
         top.plot(rows[name]["losses"], style, label=name)
         if single is not None and name != "single_device":

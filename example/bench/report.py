@@ -4,7 +4,7 @@ import argparse
 import statistics
 from typing import Dict, List, Optional, Tuple
 
-from example.bench.runner import COUNTERPART, VARIANTS
+from example.bench.runner import COUNTERPART, NO_COMM, VARIANTS
 
 KIND = {"all_reduce": "AR", "all_gather": "AG", "reduce_scatter": "RS", "broadcast": "BC"}
 KIND["reduce"] = "R"
@@ -18,14 +18,14 @@ def summarize(
     results: Dict[str, List[dict]],
     tokens_per_step: int,
     predicted: Optional[dict] = None,
-    floor: Optional[str] = None,
+    floors: Optional[Dict[str, List[str]]] = None,
 ) -> Dict[str, dict]:
     """Per strategy: the figures of the table (memory of the rank with the highest peak).
     ``predicted``: strategy -> model-state bytes from ``tiny_fsdp.estimate`` (largest rank).
     ``vs_torch``: the median over rounds of (our step time / the PyTorch counterpart's);
     ``vs_variants``: variant -> the same median of (this strategy's / the variant's);
-    ``floor``: a strategy measured in the same phase as all others, whose same median is added
-    to every other row as ``vs_floor`` (with its name, ``floor``)."""
+    ``floors``: floor -> the strategies measured in its phase, each of whose rows gets
+    ``vs_floor``, a list of (floor, the same median of this strategy's / the floor's)."""
     rows: Dict[str, dict] = {}
     single = results.get("single_device", [{}])[0].get("losses")
     for name, per_rank in results.items():
@@ -48,8 +48,11 @@ def summarize(
             row["vs_variants"] = {
                 v: _paired_median(times, r[0]["times"]) for v, r in variants.items()
             }
-        if floor in results and name != floor:
-            row["vs_floor"] = (floor, _paired_median(times, results[floor][0]["times"]))
+        row["vs_floor"] = [
+            (floor, _paired_median(times, results[floor][0]["times"]))
+            for floor, mates in (floors or {}).items()
+            if floor in results and name in mates and name != floor
+        ]
         rows[name] = row
     return rows
 
@@ -65,7 +68,7 @@ def ratio_lines(rows: Dict[str, dict]) -> str:
         for name, row in rows.items()
         for variant, ratio in row.get("vs_variants", {}).items()
     ]
-    pairs += [(name, *row["vs_floor"]) for name, row in rows.items() if "vs_floor" in row]
+    pairs += [(name, *vs) for name, row in rows.items() for vs in row.get("vs_floor", [])]
     return "\n".join(
         f"{name} / {other}: {ratio:.2f} x step time (median of per-round ratios)"
         for name, other, ratio in pairs
@@ -120,7 +123,8 @@ def markdown_table(rows: Dict[str, dict]) -> str:
         ratio = f"{r['vs_torch']:.2f}" if "vs_torch" in r else "-"
         measured = r["model_states"]
         formula = "" if r["predicted"] is None else f" ({_fmt(r['predicted'], unit)})"
-        gap = "-" if r["loss_gap"] is None or name == "single_device" else f"{r['loss_gap']:.1e}"
+        own = name in ("single_device", NO_COMM)  # no_comm: the mean of the ranks' own losses
+        gap = "-" if r["loss_gap"] is None or own else f"{r['loss_gap']:.1e}"
         lines.append(
             f"| {name} | {r['median'] * 1e3:,.0f} ({r['min'] * 1e3:,.0f}-{r['max'] * 1e3:,.0f}) "
             f"| {r['tokens_per_s']:,.0f} | {ratio} | {_fmt(r['peak'], unit)} | "

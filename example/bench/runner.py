@@ -21,7 +21,7 @@ from example.bench.pytorch import (
 from example.data import TokenBatches
 from example.model import GPT2Model, GPTConfigs
 from example.models import logits_of
-from example.strategies import STRATEGIES
+from example.strategies import STRATEGIES, no_comm
 from tiny_fsdp.core.comm import LEDGER
 from tiny_fsdp.core.memory import (
     allocated_bytes,
@@ -37,7 +37,7 @@ from tiny_fsdp.trace.session import gather_records, trace_step, write_trace
 # Counterparts share a phase: they live in the same processes and take turns step by step.
 PHASES = [
     ["single_device"],
-    ["ddp", "torch_ddp"],
+    ["ddp", "torch_ddp", "no_comm"],
     ["zero1", "zero2", "torch_zero"],
     ["zero3", "fsdp", "torch_fsdp2"],
 ]
@@ -45,6 +45,11 @@ PHASES = [
 # ``fsdp_wrapped``: FSDP with wrappers registered for ``transformers``' layers (HF GPT-2's
 # ``Conv1D``), which ``fsdp`` runs through the generic path; the same on other models.
 VARIANTS = {"fsdp_wrapped": "fsdp"}
+# Opt-in too: ``no_comm``, each rank training its own copy on its own batch with our optimizer
+# and no collective, the time no data-parallel strategy can beat under the same load
+# ([Note: benchmark method]); its losses are the ranks' own.
+NO_COMM = "no_comm"
+OPT_IN = set(VARIANTS) | {NO_COMM}
 NAMES = [name for phase in PHASES for name in phase] + list(VARIANTS)
 OURS = set(STRATEGIES) | set(VARIANTS)
 COUNTERPART = {"ddp": "torch_ddp", "zero1": "torch_zero", "zero2": "torch_zero"}
@@ -60,7 +65,7 @@ def select_phases(
     unknown = sorted(set(strategies) - set(NAMES))
     if unknown:
         raise ValueError(f"unknown strategies {unknown}; choose from {NAMES}")
-    chosen = set(strategies or set(NAMES) - set(VARIANTS))
+    chosen = set(strategies or set(NAMES) - OPT_IN)
     if compare:
         chosen |= {COUNTERPART[s] for s in chosen if s in COUNTERPART}
     with_variants = [
@@ -81,8 +86,8 @@ def build(name: str, make_model: Callable[[], nn.Module], args: argparse.Namespa
         with hf_wrappers_registered():  # our models convert their layers at wrap time
             model, optimizer = STRATEGIES[VARIANTS[name]](make_model, args, env)
         return model, optimizer, optimizer
-    if name in STRATEGIES:
-        model, optimizer = STRATEGIES[name](make_model, args, env)
+    if name in STRATEGIES or name == NO_COMM:
+        model, optimizer = STRATEGIES.get(name, no_comm)(make_model, args, env)
         return model, optimizer, optimizer
     return build_torch(name, make_model, args, env)
 
