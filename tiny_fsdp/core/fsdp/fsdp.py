@@ -214,8 +214,16 @@ class FSDP(FetchingWrapper):
         return self.local_piece(param) if self._state.groups.replicate_rank == 0 else None
 
     def held_grads(self, params: Sequence[torch.Tensor]) -> HeldGrads:
-        """The shards' gradients (padding rows are zero): each element once per shard group."""
-        grads = [p.grad for p in params if p.grad is not None]
+        """The shards' gradients, each element once per shard group. Their padding rows are
+        zero after a backward; a ``.grad`` assigned by the user may fill them
+        (``torch.full_like(p, c)``), so they are zeroed here, outside every full tensor."""
+        grads = []
+        for p in params:
+            if p.grad is not None:
+                info = shard_info(p)
+                if info is not None and info.valid_rows < info.shard_rows:
+                    p.grad.detach()[info.valid_rows :].zero_()
+                grads.append(p.grad)
         return HeldGrads(grads, sharded=True, group=self._state.groups.shard_group)
 
 

@@ -40,6 +40,16 @@ backward that accumulates into no parameter (``autograd.grad`` for an input) set
 aside ([Note: backward for inputs only]); one that bypassed the wrapper's output finds nothing
 set aside and raises.
 
+[Note: gradients assigned after backward]
+torch's optimizers and clipping read ``param.grad`` whatever tensor it is, so ``p.grad = p.grad
+* 0.5`` (or any tensor) after backward is the gradient they use. Here they read the store:
+ZeRO-1's buffer, of which ``param.grad`` is a view, and ZeRO-2's shard, ``param.grad`` None.
+So before the first read after a synchronised backward (``held_grads``: clipping; the step),
+``adopt_assigned`` copies this rank's pieces of every ``.grad`` that is not the store's (ZeRO-1:
+not its view; ZeRO-2: not None) into the store and puts ``.grad`` back as the store keeps it;
+a parameter given one counts as with gradient, as in torch. An edit in place of ZeRO-1's view
+needs nothing (it is the store); ZeRO-2 has no ``.grad`` to edit in place.
+
 [Note: one optimizer of several]
 A model may be stepped by several optimizers (AdamW for matrices, SGD for the rest), each
 cleared after its step: ``opt_a.step(); opt_a.zero_grad(); opt_b.step()``. As in torch, an
@@ -209,6 +219,24 @@ class ZeroGradStore(ABC):
             if set_to_none:  # as a .grad of None: the optimizer skips them
                 self.without_grad = self.without_grad | subset
 
+    @torch.no_grad()
+    def adopt_assigned(self) -> None:
+        """After a synchronised backward: a ``.grad`` the user assigned replaces the reduced
+        gradient of this rank's pieces ([Note: gradients assigned after backward])."""
+        if not self.reduced:
+            return
+        assigned = frozenset(i for i in range(len(self.params)) if self._assigned(i))
+        if not assigned:
+            return
+        for piece in self.layout.pieces(self.rank):
+            if piece.index in assigned:
+                flat = self.params[piece.index].grad.reshape(-1)
+                end = piece.param_start + piece.numel
+                self.reduced_grad(piece).copy_(flat[piece.param_start : end])
+        for i in assigned:
+            self._adopted(i)
+        self.without_grad = self.without_grad - assigned  # it has one now, as in torch
+
     # ------------------------------------------------------------------ per stage
 
     @abstractmethod
@@ -234,6 +262,14 @@ class ZeroGradStore(ABC):
     @abstractmethod
     def _out(self, bucket: int) -> torch.Tensor:
         """(chunk,) where this rank's chunk of the sum of ``bucket`` lands."""
+
+    @abstractmethod
+    def _assigned(self, index: int) -> bool:
+        """After a reduction: ``param.grad`` is a tensor the user put there."""
+
+    @abstractmethod
+    def _adopted(self, index: int) -> None:
+        """``param.grad`` as the store keeps it again, once the assigned one was copied in."""
 
     @abstractmethod
     def _clear(self, set_to_none: bool, indices: Iterable[int]) -> None:
@@ -283,6 +319,13 @@ class FullGradBuffer(ZeroGradStore):
 
     def _out(self, bucket: int) -> torch.Tensor:
         return self.buffer.chunk(bucket, self.rank)
+
+    def _assigned(self, index: int) -> bool:
+        grad = self.params[index].grad
+        return grad is not None and grad.data_ptr() != self.buffer.view(index).data_ptr()
+
+    def _adopted(self, index: int) -> None:
+        self.params[index].grad = self.buffer.view(index)
 
     def _clear(self, set_to_none: bool, indices: Iterable[int]) -> None:
         # set_to_none: the buffer is overwritten by the next backward, not zeroed now.
@@ -372,6 +415,12 @@ class StagedGradShard(ZeroGradStore):
 
     def _out(self, bucket: int) -> torch.Tensor:
         return self.shard.chunk(bucket)
+
+    def _assigned(self, index: int) -> bool:
+        return self.params[index].grad is not None  # a reduction leaves every .grad None
+
+    def _adopted(self, index: int) -> None:
+        self.params[index].grad = None
 
     def _clear(self, set_to_none: bool, indices: Iterable[int]) -> None:
         # The shard needs no clearing: the next reduction overwrites it.

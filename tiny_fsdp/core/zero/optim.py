@@ -165,6 +165,7 @@ class _ZeroOptimizer:
                 "no loss scaling."
             )
         self._follow_outside_writes()
+        self._wrapper.adopt_assigned_grads()
         loss = super().step(closure)  # type: ignore[misc]
         if self._wrapper.grads_reduced:  # the same on every rank: collectives stay paired
             self._publish()

@@ -236,6 +236,11 @@ class ZeroWrapper(ReplicatedWrapper):
         backward (valid until the next backward; updated in place)."""
         return self._grads.reduced_grad(piece)
 
+    def adopt_assigned_grads(self) -> None:
+        """A ``.grad`` assigned after the synchronised backward is what the step and the
+        clipping functions use ([Note: gradients assigned after backward])."""
+        self._grads.adopt_assigned()
+
     def register_optimizer(self, optimizer: Any) -> None:
         """``optimizer`` updates this model: reload its masters after ``load_state_dict``."""
         self._optimizers.add(optimizer)
@@ -283,6 +288,7 @@ class ZeroWrapper(ReplicatedWrapper):
         (``no_sync``): the local ``.grad``, as torch DDP's."""
         if not self.grads_reduced:
             return super().held_grads(params)
+        self.adopt_assigned_grads()
         grads = []
         for param in params:
             index = self._index.get(id(param))
