@@ -755,7 +755,7 @@ def test_parameters_no_rank_used_are_not_stepped() -> None:
 
 # ----------------------------------------------------------------------------- outside writes
 
-OUTSIDE_WRITES = ("model.module.load_state_dict", "copy_ under no_grad", "nn.init")
+OUTSIDE_WRITES = ("model.module.load_state_dict", "copy_ under no_grad", "nn.init", ".data =")
 TARGET = 0.5  # every element of every parameter after the write
 
 
@@ -765,6 +765,9 @@ def _write_outside(how: str, model: nn.Module, target: Dict[str, torch.Tensor]) 
     elif how == "nn.init":
         for param in model.module.parameters():
             nn.init.constant_(param, TARGET)
+    elif how == ".data =":  # a new tensor: the parameter is no view of the flat buffer now
+        for name, param in model.module.named_parameters():
+            param.data = target[name].to(param.dtype).clone()
     else:
         with torch.no_grad():
             for name, param in model.module.named_parameters():
@@ -779,6 +782,7 @@ def _outside_writes_worker(rank: int, world_size: int) -> List[str]:
     target = {k: torch.full_like(v, TARGET) for k, v in plain.state_dict().items()}
     x = torch.randn(4, 6, generator=torch.Generator().manual_seed(rank))
     setups = {  # parameters below 32 bits: the optimizer keeps separate fp32 masters
+        "an fp32 model": (lambda: copy.deepcopy(plain), None),  # the buffer is the master
         "a bf16 model": (lambda: copy.deepcopy(plain).to(torch.bfloat16), None),
         "a bf16 policy": (lambda: copy.deepcopy(plain), MixedPrecisionPolicy(torch.bfloat16)),
     }
@@ -809,8 +813,9 @@ def _outside_writes_worker(rank: int, world_size: int) -> List[str]:
 
 def test_parameters_written_outside_the_optimizer_are_kept() -> None:
     """A write to the parameters between steps (loading through the inner model as torch DDP
-    code does, a copy_ under no_grad, an nn.init) is where the next step starts from, as after the
-    wrapper's own load_state_dict, also when the optimizer keeps separate fp32 masters
-    ([Note: writes outside the optimizer] in ``tiny_fsdp/core/zero/optim.py``)."""
+    code does, a copy_ under no_grad, an nn.init, ``p.data = tensor``) is where the next step
+    starts from, as after the wrapper's own load_state_dict, also when the optimizer keeps
+    separate fp32 masters ([Note: writes outside the optimizer] in
+    ``tiny_fsdp/core/zero/optim.py``)."""
     seen = run_distributed(_outside_writes_worker, 2)[0]
-    assert len(seen) == 2 * 2 * len(OUTSIDE_WRITES)
+    assert len(seen) == 2 * 3 * len(OUTSIDE_WRITES)

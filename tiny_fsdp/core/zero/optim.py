@@ -203,8 +203,14 @@ class _ZeroOptimizer:
         the next step's write-back, silently. Every in-place write through a parameter bumps its
         version counter, which the optimizer's own write-back (through the flat buffer, not the
         parameter) does not: a changed sum of versions means the masters are re-read first.
+        A parameter's ``.data`` replaced (``p.data = p.data * 0.5``, old code's way) is no view of
+        the flat buffer any more, which the step updates and all-gathers: its values are copied
+        into the buffer and ``.data`` made the buffer's view again (``adopt_replaced_data``).
         """
-        if self._master_shard is not None and self._param_versions() != self._versions_seen:
+        replaced = self._wrapper.adopt_replaced_data()
+        if self._master_shard is not None and (
+            replaced or self._param_versions() != self._versions_seen
+        ):
             self.reload_masters()
 
     def state_pieces(self, saving: bool) -> List[StatePiece]:

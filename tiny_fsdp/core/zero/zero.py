@@ -236,6 +236,20 @@ class ZeroWrapper(ReplicatedWrapper):
         backward (valid until the next backward; updated in place)."""
         return self._grads.reduced_grad(piece)
 
+    @torch.no_grad()
+    def adopt_replaced_data(self) -> bool:
+        """Parameters whose ``.data`` was replaced since wrapping become views of the parameter
+        buffer again, holding the new values ([Note: writes outside the optimizer]); whether
+        any was."""
+        replaced = False
+        for i, p in enumerate(self.params):
+            view = self.param_buffer.view(i)
+            if p.data_ptr() != view.data_ptr():
+                view.copy_(p.detach())
+                p.data = view
+                replaced = True
+        return replaced
+
     def adopt_assigned_grads(self) -> None:
         """A ``.grad`` assigned after the synchronised backward is what the step and the
         clipping functions use ([Note: gradients assigned after backward])."""
