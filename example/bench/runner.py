@@ -34,10 +34,14 @@ from tiny_fsdp.core.utils.dist import DistEnv
 from tiny_fsdp.trace.chrome import chrome_trace
 from tiny_fsdp.trace.session import gather_records, trace_step, write_trace
 
+# Opt-in (never in the default set): ``no_comm``, each rank training its own copy on its own
+# batch with our optimizer and no collective, the time no data-parallel strategy can beat under
+# the same load ([Note: benchmark method]); its losses are the ranks' own.
+NO_COMM = "no_comm"
 # Counterparts share a phase: they live in the same processes and take turns step by step.
 PHASES = [
     ["single_device"],
-    ["ddp", "torch_ddp", "no_comm"],
+    ["ddp", "torch_ddp", NO_COMM],
     ["zero1", "zero2", "torch_zero"],
     ["zero3", "fsdp", "torch_fsdp2"],
 ]
@@ -45,10 +49,6 @@ PHASES = [
 # ``fsdp_wrapped``: FSDP with wrappers registered for ``transformers``' layers (HF GPT-2's
 # ``Conv1D``), which ``fsdp`` runs through the generic path; the same on other models.
 VARIANTS = {"fsdp_wrapped": "fsdp"}
-# Opt-in too: ``no_comm``, each rank training its own copy on its own batch with our optimizer
-# and no collective, the time no data-parallel strategy can beat under the same load
-# ([Note: benchmark method]); its losses are the ranks' own.
-NO_COMM = "no_comm"
 OPT_IN = set(VARIANTS) | {NO_COMM}
 NAMES = [name for phase in PHASES for name in phase] + list(VARIANTS)
 OURS = set(STRATEGIES) | set(VARIANTS)
@@ -86,8 +86,9 @@ def build(name: str, make_model: Callable[[], nn.Module], args: argparse.Namespa
         with hf_wrappers_registered():  # our models convert their layers at wrap time
             model, optimizer = STRATEGIES[VARIANTS[name]](make_model, args, env)
         return model, optimizer, optimizer
-    if name in STRATEGIES or name == NO_COMM:
-        model, optimizer = STRATEGIES.get(name, no_comm)(make_model, args, env)
+    builders = {**STRATEGIES, NO_COMM: no_comm}
+    if name in builders:
+        model, optimizer = builders[name](make_model, args, env)
         return model, optimizer, optimizer
     return build_torch(name, make_model, args, env)
 
