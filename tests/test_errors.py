@@ -251,9 +251,25 @@ def _wrap_a_function(strategy: str) -> Callable[[int, int], None]:
     return run
 
 
+def _lazy_module(strategy: str, dry_forward: bool) -> Callable[[int, int], None]:
+    """A lazy module (its shapes come with its first forward), wrapped before or after one."""
+
+    def run(rank: int, world_size: int) -> None:
+        from tiny_fsdp import core
+
+        model = nn.Sequential(nn.LazyLinear(4), nn.ReLU(), nn.Linear(4, 2))
+        if dry_forward:
+            model(torch.zeros(1, 3))
+        getattr(core, WRAPPERS[strategy])(model)(torch.zeros(2, 3)).sum().backward()
+
+    return run
+
+
 CASES: Dict[str, Callable[[int, int], None]] = {
     **{f"not-a-module-{s}": _wrap_a_function(s) for s in STRATEGIES},
     **{f"unsupported-{s}": _case_unsupported(s) for s in STRATEGIES},
+    **{f"lazy-{s}": _lazy_module(s, dry_forward=False) for s in STRATEGIES},
+    **{f"lazy-after-a-forward-{s}": _lazy_module(s, dry_forward=True) for s in STRATEGIES},
     **{
         f"pairing-{OPTIMIZER_OF[o]}-{m}": _case_pairing(OPTIMIZER_OF[o], m)
         for o in STRATEGIES
@@ -299,6 +315,12 @@ EXPECTED: Dict[str, Tuple[type, str]] = {
         f"not-a-module-{s}": (TypeError, r"wraps a torch.nn.Module, got function: put the comp")
         for s in STRATEGIES
     },
+    **{
+        f"lazy-{s}": (ValueError, r"\['0.weight', '0.bias'\] are not initialised yet.*Run one "
+                      r"forward on an example batch before wrapping")
+        for s in STRATEGIES
+    },  # fmt: skip
+    **{f"lazy-after-a-forward-{s}": (type(None), "") for s in STRATEGIES},
     **{f"unsupported-{s}": (UnsupportedModuleError, UNSUPPORTED) for s in ["zero3", "fsdp"]},
     **{f"unsupported-{s}": (type(None), "") for s in ["ddp", "zero1", "zero2"]},  # stay whole
     **{

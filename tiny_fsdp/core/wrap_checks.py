@@ -3,17 +3,29 @@
 from typing import Any
 
 from torch import nn
+from torch.nn.parameter import is_lazy
 
 from tiny_fsdp.core.loss_reads import is_loss_read_hook
 from tiny_fsdp.core.ownership import owner_of
 
 
-def check_is_module(module: Any, what: str) -> None:
-    """Raise a TypeError unless ``module`` is a ``torch.nn.Module``."""
+def check_module(module: Any, what: str) -> None:
+    """Raise unless ``module`` is a ``torch.nn.Module`` whose parameters all have a shape.
+
+    A lazy module (``nn.LazyLinear``...) learns its shapes in its first forward; until then no
+    strategy can bucket, shard or broadcast its parameters (torch's DDP refuses them too).
+    """
     if not isinstance(module, nn.Module):
         raise TypeError(
             f"{what} wraps a torch.nn.Module, got {type(module).__name__}: put the computation "
             "in the forward of a module and wrap that"
+        )
+    lazy = [name for name, t in [*module.named_parameters(), *module.named_buffers()] if is_lazy(t)]
+    if lazy:
+        raise ValueError(
+            f"{what}: {lazy[:4]} are not initialised yet (a lazy module, e.g. nn.LazyLinear, "
+            "learns its shapes in its first forward). Run one forward on an example batch "
+            f"before wrapping, then wrap: {what}(model)."
         )
 
 

@@ -30,7 +30,8 @@ needs (class attributes): the ``collectives`` it issues on parameters (checked a
 backend and each parameter's device), whether it materialises a model built on ``meta``,
 whether it gives each parameter storage of its own (two distinct parameters sharing storage
 would be untied), and whether each rank updates only its local part (plain optimizers are then
-refused). The checks: a parameter may belong to one live wrapper only ([Note: ownership tag]);
+refused). The checks: the model is a module whose parameters have shapes (no lazy module before
+its first forward); a parameter may belong to one live wrapper only ([Note: ownership tag]);
 every rank must hold the same model (names, shapes, dtypes), or collectives would pair unrelated
 tensors; no embedding may rescale its rows inside the forward ([Note: embeddings with max_norm]
 in ``wrap_checks.py``). The wrapper then tags every parameter as its own.
@@ -75,7 +76,7 @@ from tiny_fsdp.core.utils.dist import check_backend_device, require_process_grou
 from tiny_fsdp.core.utils.lockstep import mark_lockstep
 from tiny_fsdp.core.utils.recompute import gradient_checkpointing, set_gradient_checkpointing
 from tiny_fsdp.core.wrap_checks import (
-    check_is_module,
+    check_module,
     check_no_max_norm_embeddings,
     check_no_shared_storage,
     check_not_wrapped,
@@ -131,7 +132,7 @@ class DataParallelWrapper(nn.Module):
         registered_layers: bool = True,
     ) -> None:
         require_process_group(type(self).__name__)
-        check_is_module(module, type(self).__name__)
+        check_module(module, type(self).__name__)
         super().__init__()
         foreign_optimizers.install()
         announce_exit()  # [Note: arrival check]

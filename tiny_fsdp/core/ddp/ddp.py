@@ -40,7 +40,7 @@ from tiny_fsdp.core.precision import MixedPrecisionPolicy
 from tiny_fsdp.core.replicated import ReplicatedWrapper, broadcast_module_buffers
 from tiny_fsdp.core.sparse_grads import sparse_grad_params
 from tiny_fsdp.core.utils.tree import map_tensors
-from tiny_fsdp.core.wrap_checks import check_is_module
+from tiny_fsdp.core.wrap_checks import check_module
 
 
 def is_ddp_param(tensor: torch.Tensor) -> bool:
@@ -101,7 +101,7 @@ class DDP(ReplicatedWrapper, Joinable):
                 f"bucket_cap_mb must be a positive number, got {bucket_cap_mb!r} (torch DDP's "
                 "device_ids is a keyword here: DDP(model, device_ids=[rank]))"
             )
-        check_is_module(module, type(self).__name__)  # read below, before the base class checks
+        check_module(module, type(self).__name__)  # read below, before the base class checks
         input_device = _input_device(list(module.parameters()), device_ids, output_device)
         super().__init__(module, enable_async_communication, mixed_precision, broadcast_buffers)
         Joinable.__init__(self)
