@@ -26,11 +26,13 @@ changes hit them alike. The planner's prediction from that calibration is compar
 """
 
 import argparse
+import copy
 import dataclasses
 import functools
 import json
 import statistics
 import time
+from typing import Callable, Set
 
 import pytest
 import torch
@@ -52,7 +54,9 @@ MEMORY_TOLERANCE = 0.10  # the issue's bound; memory is counted, not sampled
 TIME_TOLERANCE = 0.25  # the issue's bound; medians absorb the shared machine's noise
 
 
-def _saved_bytes(model, x, y, params) -> int:
+def _saved_bytes(loss_fn: Callable[[], torch.Tensor], params: Set[int]) -> int:
+    """Bytes of the distinct storages autograd saves while ``loss_fn`` runs (and backward of
+    its loss), the storages in ``params`` left out: what the planner's activations stand for."""
     seen = {}
 
     def pack(t):
@@ -62,7 +66,7 @@ def _saved_bytes(model, x, y, params) -> int:
         return t
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        loss = F.cross_entropy(model(x).reshape(-1, CONFIG.vocab_size), y.reshape(-1))
+        loss = loss_fn()
     loss.backward()
     return sum(seen.values())
 
@@ -118,7 +122,9 @@ def _measure(rank, world):
             meter.peak_bytes = meter.live_bytes
         params = {p.untyped_storage().data_ptr() for p in model.parameters()}
         comm.LEDGER.reset()
-        saved = _saved_bytes(model, x, y, params)
+        saved = _saved_bytes(
+            lambda: F.cross_entropy(model(x).reshape(-1, CONFIG.vocab_size), y.reshape(-1)), params
+        )
         optimizer.step()
         payload = dict(comm.LEDGER.payload_bytes), dict(comm.LEDGER.calls)
         states = memory_ledger(model, optimizer).total
@@ -273,18 +279,61 @@ def test_cli_json_has_every_strategy_for_every_example_preset():
 
 
 def test_plan_model_reads_any_module():
-    """A model that is not GPT-2 (tests/zoo.py): its tensors, layers and activations are read
-    from the module; sharded strategies hold less than replicated ones."""
+    """A model that is not GPT-2 (tests/zoo.py), as a user calls it: a preset's name, no
+    example input. Its tensors and layers are read from the module, its activations from one
+    forward on meta of token ids (1, seq_len): the bytes a real forward of the batch saves (in
+    fp32; in bf16 the floating-point ones at half the width), the caller's model untouched;
+    sharded strategies hold less than replicated ones."""
+    from tests.zoo import VOCAB, ZooLM
+    from tiny_fsdp.plan import plan_model
+
+    model = ZooLM()
+    plans = plan_model(model, "a100_sxm", 4, 2, 16)
+    assert next(model.parameters()).device.type == "cpu"
+    assert plans["fsdp"].model_state_bytes < plans["zero2"].model_state_bytes
+    assert plans["zero2"].model_state_bytes < plans["ddp"].model_state_bytes
+    batch = torch.randint(0, VOCAB, (2, 16))
+
+    def saved(model: nn.Module) -> int:  # under the loss the planner assumes: a log-softmax
+        params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+
+        def loss() -> torch.Tensor:
+            out = model(batch)
+            return F.log_softmax(getattr(out, "logits", out), -1).sum()
+
+        return _saved_bytes(loss, params)
+
+    # 5 %: one sequence's forward is scaled by the tokens, so what a forward saves once whatever
+    # the batch (the rotary table, BatchNorm's statistics) is charged per sequence: 4 % here.
+    for strategy in STRATEGIES:  # activations do not depend on the strategy
+        assert plans[strategy].activation_bytes == pytest.approx(saved(model), rel=0.05)
+    # In bf16 the floating-point tensors take half the width (ZooLM's rotary table is fp32, so
+    # a plain language model here).
+    lm = nn.Sequential(nn.Embedding(VOCAB, 16), nn.Linear(16, 32), nn.GELU(), nn.Linear(32, VOCAB))
+    bf16, fp32 = (
+        plan_model(lm, "a100_sxm", 4, 2, 16, precision=p)["ddp"].activation_bytes
+        for p in ("bf16", "fp32")
+    )
+    assert fp32 == saved(lm)
+    assert bf16 == saved(copy.deepcopy(lm).to(torch.bfloat16))
+
+
+def test_plan_model_takes_the_forward_s_keyword_arguments_or_says_what_to_pass():
+    """An input that is not token ids is given as the example (a tensor or the forward's keyword
+    arguments); a model that refuses token ids and has no example is a clear error, not
+    activations of 0."""
     from tests.zoo import ZooLM
     from tiny_fsdp.plan import plan_model
 
     model = ZooLM()
-    plans = plan_model(model, load_calibration("a100_sxm"), 4, 2, 16,
-                       example_input=torch.zeros(1, 16, dtype=torch.long))  # fmt: skip
-    assert next(model.parameters()).device.type == "cpu"  # the caller's model is untouched
-    assert plans["fsdp"].model_state_bytes < plans["zero2"].model_state_bytes
-    assert plans["zero2"].model_state_bytes < plans["ddp"].model_state_bytes
-    assert plans["ddp"].activation_bytes > 0
+    ids = torch.zeros(1, 16, dtype=torch.long)
+    by_name = plan_model(model, "a100_sxm", 4, 2, 16, example_input={"idx": ids})
+    assert by_name == plan_model(model, "a100_sxm", 4, 2, 16)
+    conv = nn.Sequential(nn.Conv2d(3, 8, 3), nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(8, 2))
+    with pytest.raises(ValueError, match=r"token ids of shape \(1, 16\).*Pass example_input="):
+        plan_model(conv, "a100_sxm", 4, 2, 16)
+    with pytest.raises(TypeError, match="calibration must be a Calibration, a preset name"):
+        plan_model(model, 3, 4, 2, 16)
 
 
 def test_calibrate_measures_at_the_shape_of_the_model_it_is_given(monkeypatch, tmp_path):

@@ -29,13 +29,14 @@ of ``GPT2Model`` with CPU's fused attention (``tests/test_plan.py`` checks it pe
 
 With gradient checkpointing a block keeps only its input (C elements), and backward recomputes
 one block at a time, so one block's full activations come back on top. Other models: the saved
-tensors of one forward on the ``meta`` device (no memory, no compute); attention kernels on
+tensors of one forward on the ``meta`` device (no memory, no compute), floating-point ones as
+elements (they take the planned precision's width) and the rest as bytes; attention kernels on
 ``meta`` may keep more than the fused ones (their scores).
 """
 
 import copy
 from dataclasses import dataclass, field
-from typing import Dict, List, Optional, Tuple
+from typing import Dict, List, Mapping, Optional, Tuple, Union
 
 import torch
 import torch.nn.functional as F
@@ -188,44 +189,61 @@ def gpt2_costs(config: GPTConfig, name: str = "gpt2") -> ModelCosts:
 
 
 def module_costs(
-    model: nn.Module, example_input: Optional[torch.Tensor] = None, name: Optional[str] = None
+    model: nn.Module,
+    example_input: Union[torch.Tensor, Mapping[str, torch.Tensor], None] = None,
+    name: Optional[str] = None,
 ) -> ModelCosts:
     """``ModelCosts`` of any module. A ``GPT2Model`` uses its config; another model's
-    activations come from one forward of ``example_input`` (``(1, T)`` token ids per token
-    count) on ``meta`` ([Note: model costs]); without an input they are unknown (0)."""
+    activations come from one forward on ``meta`` of ``example_input``: ``(1, T)`` token ids,
+    or the forward's keyword arguments (``{"input_ids": ..., "decoder_input_ids": ...}``) whose
+    first is ``(1, T)``; divided by T per token ([Note: model costs]). Without an input they
+    are unknown (0)."""
     name = name or type(model).__name__
     config = getattr(model, "config", None)
     if isinstance(model, GPT2Model) and isinstance(config, GPTConfig):
         return gpt2_costs(config, name)
     tensors, rows, layers, units, layer_matmul, matmul_shape = _layers_and_tensors(model)
     matmul = sum(layer_matmul)
-    act = (0, 0)
+    act = (0.0, 0.0)
     if example_input is not None:
-        act = (0, _meta_saved_bytes(model, example_input) / example_input.numel())
+        elements, other_bytes = _meta_saved(model, example_input)
+        inputs = example_input.values() if isinstance(example_input, Mapping) else [example_input]
+        tokens = next(iter(inputs)).numel()
+        act = (elements / tokens, other_bytes / tokens)
     return ModelCosts(
         name, tensors, layers, units, layer_matmul, matmul, 0, act, None, (0, 0), rows,
         matmul_shape,
     )  # fmt: skip
 
 
-def _meta_saved_bytes(model: nn.Module, example_input: torch.Tensor) -> int:
-    """Bytes of the distinct tensors (not parameters) autograd saves in one forward on meta."""
+def _meta_saved(
+    model: nn.Module, example_input: Union[torch.Tensor, Mapping[str, torch.Tensor]]
+) -> Tuple[int, int]:
+    """The distinct tensors (not parameters) autograd saves in one forward on meta: elements
+    of the floating-point ones (their width is the planned precision's) and bytes of the rest
+    (token ids, masks)."""
     meta = model
     if next(model.parameters()).device.type != "meta":
         meta = copy.deepcopy(model).to("meta")  # leave the caller's model as it is
     params = {id(p) for p in meta.parameters()}
-    seen: Dict[int, int] = {}
+    seen: Dict[int, Tuple[int, int]] = {}
 
     def pack(t: torch.Tensor) -> torch.Tensor:
         base = t
         while base._base is not None:
             base = base._base
         if id(base) not in params:
-            seen[id(base)] = base.numel() * base.element_size()
+            floating = base.is_floating_point()
+            seen[id(base)] = (base.numel(), 0) if floating else (0, base.nbytes)
         return t
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        out = meta(example_input.to("meta"))
-        logits = out if isinstance(out, torch.Tensor) else out.logits
+        if isinstance(example_input, Mapping):
+            out = meta(**{k: v.to("meta") for k, v in example_input.items()})
+        else:
+            out = meta(example_input.to("meta"))
+        if not isinstance(out, torch.Tensor):  # transformers' outputs, a tuple: the first
+            out = out.logits if hasattr(out, "logits") else out[0]
+        logits = out
         F.log_softmax(logits.float(), dim=-1).sum()
-    return sum(seen.values())
+    return sum(e for e, _ in seen.values()), sum(b for _, b in seen.values())

@@ -28,12 +28,13 @@ is the global batch (all ranks) over it; ``fits`` is ``peak_bytes <= gpu_memory`
 """
 
 from dataclasses import asdict, dataclass
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple, Union
 
+import torch
 from torch import nn
 
 from tiny_fsdp.estimate import bytes_per_param, estimate_memory, estimate_model
-from tiny_fsdp.plan.calibration import Calibration
+from tiny_fsdp.plan.calibration import Calibration, load_calibration
 from tiny_fsdp.plan.model_costs import ModelCosts, module_costs
 from tiny_fsdp.plan.schedules import INTER_GROUP, StepSetup, plan_step
 
@@ -70,7 +71,7 @@ class Prediction:
 
 def plan(
     costs: ModelCosts,
-    calibration: Calibration,
+    calibration: Union[Calibration, str],
     world_size: int,
     batch_size: int,
     seq_len: int,
@@ -84,7 +85,15 @@ def plan(
 ) -> Dict[str, Prediction]:
     """``{strategy: Prediction}``; ``batch_size`` is per rank. ``model_states``: per-rank
     ``MemoryReport``s per strategy (``estimate_model``'s), else the ZeRO formulas with
-    ``Psi / N``. With ``hsdp_replicas`` = R, also ``"hsdp"``: FSDP over ``N / R`` ranks."""
+    ``Psi / N``. With ``hsdp_replicas`` = R, also ``"hsdp"``: FSDP over ``N / R`` ranks.
+    ``calibration``: a ``Calibration``, a preset's name (``"h100_sxm"``) or a calibration file."""
+    if isinstance(calibration, str):
+        calibration = load_calibration(calibration)
+    if not isinstance(calibration, Calibration):
+        raise TypeError(
+            "calibration must be a Calibration, a preset name or a calibration file, got "
+            f"{type(calibration).__name__}"
+        )
     if hsdp_replicas is not None and (hsdp_replicas < 1 or world_size % hsdp_replicas):
         raise ValueError(f"--hsdp {hsdp_replicas} must divide world_size {world_size}")
     p_bytes, _, _ = bytes_per_param(precision, optimizer)
@@ -130,7 +139,7 @@ def plan(
 
 def plan_model(
     model: nn.Module,
-    calibration: Calibration,
+    calibration: Union[Calibration, str],
     world_size: int,
     batch_size: int,
     seq_len: int,
@@ -142,8 +151,20 @@ def plan_model(
     example_input=None,
 ) -> Dict[str, Prediction]:
     """``plan`` for an ``nn.Module`` (on ``meta`` is best): its layers, units and ZeRO-3
-    partition table are read from it ([Note: model costs])."""
-    costs = module_costs(model, example_input)
+    partition table are read from it, its activations from one forward on ``meta`` of
+    ``example_input``, by default token ids of shape ``(1, seq_len)`` ([Note: model costs])."""
+    tokens = torch.zeros(1, seq_len, dtype=torch.long)
+    try:
+        costs = module_costs(model, tokens if example_input is None else example_input)
+    except Exception as exc:
+        if example_input is not None:
+            raise
+        raise ValueError(
+            f"plan_model measures the activations of {type(model).__name__} with one forward "
+            f"on meta of token ids of shape (1, {seq_len}), which failed ({type(exc).__name__}: "
+            f"{exc}). Pass example_input=<one sequence's input of {seq_len} tokens>, a tensor "
+            "or the forward's keyword arguments (a dict)."
+        ) from exc
     states = estimate_model(model, world_size, precision, optimizer)
     return plan(
         costs, calibration, world_size, batch_size, seq_len, precision, optimizer, grad_ckpt,
