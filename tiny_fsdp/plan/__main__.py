@@ -61,7 +61,7 @@ def _model(args):
 
         with torch.device("meta"):
             module = model_spec(args.model).make()
-        tokens = torch.zeros(1, args.seq_len, dtype=torch.long)
+        tokens = torch.zeros(args.batch_size, args.seq_len, dtype=torch.long)
         costs = module_costs(module, tokens, args.model)
         return costs, estimate_model(module, args.world_size, args.precision, args.optimizer)
     else:

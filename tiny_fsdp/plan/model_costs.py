@@ -30,17 +30,28 @@ of ``GPT2Model`` with CPU's fused attention (``tests/test_plan.py`` checks it pe
 With gradient checkpointing a block keeps only its input (C elements), and backward recomputes
 one block at a time, so one block's full activations come back on top. Other models: the saved
 tensors of one forward on the ``meta`` device (no memory, no compute), floating-point ones as
-elements (they take the planned precision's width) and the rest as bytes; attention kernels on
-``meta`` may keep more than the fused ones (their scores).
+elements (they take the planned precision's width) and the rest as bytes.
+
+[Note: attention on meta]
+On ``meta``, ``F.scaled_dot_product_attention`` runs its math fallback, which keeps the
+(B, H, L, L) scores for backward; the fused kernels every real device picks (flash and
+memory-efficient attention on CUDA, flash on CPU) keep their inputs, the output and an fp32
+log-sum-exp of (B, H, L), and write their output laid out as (B, L, H, D), so that the usual
+``y.transpose(1, 2).reshape(B, L, H * D)`` is a view of it, not a copy. So the meta forward
+counts those and returns that layout instead: an error quadratic in the
+sequence length otherwise (a LLaMA of width 256 at 512 tokens: +27 %). On CPU an attention with
+dropout falls back to the math kernel (BERT's, in training) and is counted as it runs, as is
+attention written out by hand.
 """
 
 import copy
 from dataclasses import dataclass, field
-from typing import Dict, List, Mapping, Optional, Tuple, Union
+from typing import Callable, Dict, List, Mapping, Optional, Tuple, Union
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.overrides import TorchFunctionMode
 
 from tiny_fsdp.models.gpt2 import GPT2Model, GPTConfig
 
@@ -192,12 +203,14 @@ def module_costs(
     model: nn.Module,
     example_input: Union[torch.Tensor, Mapping[str, torch.Tensor], None] = None,
     name: Optional[str] = None,
+    device_type: str = "cuda",
 ) -> ModelCosts:
     """``ModelCosts`` of any module. A ``GPT2Model`` uses its config; another model's
-    activations come from one forward on ``meta`` of ``example_input``: ``(1, T)`` token ids,
+    activations come from one forward on ``meta`` of ``example_input``: ``(B, T)`` token ids,
     or the forward's keyword arguments (``{"input_ids": ..., "decoder_input_ids": ...}``) whose
-    first is ``(1, T)``; divided by T per token ([Note: model costs]). Without an input they
-    are unknown (0)."""
+    first is ``(B, T)``; divided by B T per token, as ``device_type``'s attention kernels keep
+    them ([Note: model costs], [Note: attention on meta]). Without an input they are unknown
+    (0)."""
     name = name or type(model).__name__
     config = getattr(model, "config", None)
     if isinstance(model, GPT2Model) and isinstance(config, GPTConfig):
@@ -206,7 +219,7 @@ def module_costs(
     matmul = sum(layer_matmul)
     act = (0.0, 0.0)
     if example_input is not None:
-        elements, other_bytes = _meta_saved(model, example_input)
+        elements, other_bytes = _meta_saved(model, example_input, device_type)
         inputs = example_input.values() if isinstance(example_input, Mapping) else [example_input]
         tokens = next(iter(inputs)).numel()
         act = (elements / tokens, other_bytes / tokens)
@@ -217,7 +230,9 @@ def module_costs(
 
 
 def _meta_saved(
-    model: nn.Module, example_input: Union[torch.Tensor, Mapping[str, torch.Tensor]]
+    model: nn.Module,
+    example_input: Union[torch.Tensor, Mapping[str, torch.Tensor]],
+    device_type: str,
 ) -> Tuple[int, int]:
     """The distinct tensors (not parameters) autograd saves in one forward on meta: elements
     of the floating-point ones (their width is the planned precision's) and bytes of the rest
@@ -226,18 +241,46 @@ def _meta_saved(
     if next(model.parameters()).device.type != "meta":
         meta = copy.deepcopy(model).to("meta")  # leave the caller's model as it is
     params = {id(p) for p in meta.parameters()}
-    seen: Dict[int, Tuple[int, int]] = {}
+    seen: Dict[object, Tuple[int, int]] = {}
+    kept: List[torch.Tensor] = []  # alive to the end, so that no id is reused
+    counting = [True]
 
-    def pack(t: torch.Tensor) -> torch.Tensor:
+    def record(t: torch.Tensor) -> None:
         base = t
         while base._base is not None:
             base = base._base
         if id(base) not in params:
+            kept.append(base)
             floating = base.is_floating_point()
             seen[id(base)] = (base.numel(), 0) if floating else (0, base.nbytes)
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        if counting[0]:
+            record(t)
         return t
 
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+    def fused_attention(attention, args, kwargs) -> torch.Tensor:
+        """[Note: attention on meta]: what a fused kernel keeps, not the math fallback's."""
+        dropout = args[4] if len(args) > 4 else kwargs.get("dropout_p", 0.0)
+        if device_type == "cpu" and dropout > 0:  # CPU's flash kernel has no dropout
+            return attention(*args, **kwargs)
+        counting[0] = False
+        try:
+            out = attention(*args, **kwargs)
+            if out.dim() == 4:  # laid out (B, L, H, D) as the fused kernels write it
+                out = out.transpose(1, 2).contiguous().transpose(1, 2)
+        finally:
+            counting[0] = True
+        names = ("query", "key", "value", "attn_mask")
+        inputs = [*args[:4], *(kwargs[n] for n in names[len(args[:4]) :] if n in kwargs)]
+        for t in [*inputs, out]:
+            if isinstance(t, torch.Tensor):
+                record(t)
+        seen[("logsumexp", id(out))] = (0, 4 * out.shape[:-1].numel())  # fp32, (B, H, L)
+        return out
+
+    with _Intercept(F.scaled_dot_product_attention, fused_attention), \
+            torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):  # fmt: skip
         if isinstance(example_input, Mapping):
             out = meta(**{k: v.to("meta") for k, v in example_input.items()})
         else:
@@ -247,3 +290,16 @@ def _meta_saved(
         logits = out
         F.log_softmax(logits.float(), dim=-1).sum()
     return sum(e for e, _ in seen.values()), sum(b for _, b in seen.values())
+
+
+class _Intercept(TorchFunctionMode):
+    """Calls ``handler(func, args, kwargs)`` instead of ``func`` while active."""
+
+    def __init__(self, func: Callable, handler: Callable) -> None:
+        super().__init__()
+        self.func, self.handler = func, handler
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if func is self.func:
+            return self.handler(func, args, kwargs or {})
+        return func(*args, **(kwargs or {}))

@@ -87,13 +87,7 @@ def plan(
     ``MemoryReport``s per strategy (``estimate_model``'s), else the ZeRO formulas with
     ``Psi / N``. With ``hsdp_replicas`` = R, also ``"hsdp"``: FSDP over ``N / R`` ranks.
     ``calibration``: a ``Calibration``, a preset's name (``"h100_sxm"``) or a calibration file."""
-    if isinstance(calibration, str):
-        calibration = load_calibration(calibration)
-    if not isinstance(calibration, Calibration):
-        raise TypeError(
-            "calibration must be a Calibration, a preset name or a calibration file, got "
-            f"{type(calibration).__name__}"
-        )
+    calibration = _calibration(calibration)
     if hsdp_replicas is not None and (hsdp_replicas < 1 or world_size % hsdp_replicas):
         raise ValueError(f"--hsdp {hsdp_replicas} must divide world_size {world_size}")
     p_bytes, _, _ = bytes_per_param(precision, optimizer)
@@ -152,21 +146,37 @@ def plan_model(
 ) -> Dict[str, Prediction]:
     """``plan`` for an ``nn.Module`` (on ``meta`` is best): its layers, units and ZeRO-3
     partition table are read from it, its activations from one forward on ``meta`` of
-    ``example_input``, by default token ids of shape ``(1, seq_len)`` ([Note: model costs])."""
-    tokens = torch.zeros(1, seq_len, dtype=torch.long)
+    ``example_input``, by default token ids of the planned batch, ``(batch_size, seq_len)``
+    ([Note: model costs])."""
+    calibration = _calibration(calibration)
+    tokens = torch.zeros(batch_size, seq_len, dtype=torch.long)
+    device_type = "cpu" if calibration.backend == "gloo" else "cuda"
     try:
-        costs = module_costs(model, tokens if example_input is None else example_input)
+        example = tokens if example_input is None else example_input
+        costs = module_costs(model, example, device_type=device_type)
     except Exception as exc:
         if example_input is not None:
             raise
         raise ValueError(
             f"plan_model measures the activations of {type(model).__name__} with one forward "
-            f"on meta of token ids of shape (1, {seq_len}), which failed ({type(exc).__name__}: "
-            f"{exc}). Pass example_input=<one sequence's input of {seq_len} tokens>, a tensor "
-            "or the forward's keyword arguments (a dict)."
+            f"on meta of token ids of shape ({batch_size}, {seq_len}), which failed "
+            f"({type(exc).__name__}: {exc}). Pass example_input=<the input of one batch>, a "
+            "tensor or the forward's keyword arguments (a dict)."
         ) from exc
     states = estimate_model(model, world_size, precision, optimizer)
     return plan(
         costs, calibration, world_size, batch_size, seq_len, precision, optimizer, grad_ckpt,
         gpu_memory, hsdp_replicas, states,
     )  # fmt: skip
+
+
+def _calibration(calibration: Union[Calibration, str]) -> Calibration:
+    """A ``Calibration``, loaded from a preset's name or a file if given one."""
+    if isinstance(calibration, str):
+        calibration = load_calibration(calibration)
+    if not isinstance(calibration, Calibration):
+        raise TypeError(
+            "calibration must be a Calibration, a preset name or a calibration file, got "
+            f"{type(calibration).__name__}"
+        )
+    return calibration
