@@ -316,6 +316,48 @@ def test_plan_model_reads_any_module():
     assert bf16 == saved(copy.deepcopy(lm).to(torch.bfloat16))
 
 
+class _Outer(nn.Module):
+    """Any module around a GPT2Model: the planner measures it instead of using the formula."""
+
+    def __init__(self, inner: nn.Module) -> None:
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        return self.inner(idx)
+
+
+def test_a_module_s_measured_activations_agree_with_gpt2_s_formula():
+    """Two derivations of the same numbers: the GPT-2 formula of [Note: model costs] and one
+    forward on meta of the same model (through ``_Outer``), per token, in fp32 bytes: all
+    activations, what gradient checkpointing keeps (outside the blocks and their inputs) and
+    one block (recomputed). Within 1 %: the meta forward counts the norms' fp32 statistics as
+    elements and the loss's targets are not part of the model's forward."""
+    from tiny_fsdp.plan import module_costs
+
+    config = GPTConfig(block_size=64, vocab_size=256, n_layer=3, n_head=4, n_embd=64)
+    formula = gpt2_costs(config)
+    with torch.device("meta"):
+        measured = module_costs(_Outer(GPT2Model(config)), torch.zeros(8, 64, dtype=torch.long))
+    for part in ("act_per_token", "ckpt_per_token", "block_per_token"):
+        e, f = getattr(measured, part)
+        want_e, want_f = getattr(formula, part)
+        assert 4 * e + f == pytest.approx(4 * want_e + want_f, rel=0.01), part
+    assert measured.activation_bytes(512, 4, grad_ckpt=True) < measured.activation_bytes(512, 4)
+
+
+def test_the_cli_plans_gradient_checkpointing_of_a_transformers_model():
+    """``--grad_ckpt`` with an ``hf:`` preset (its blocks found in the module, as FSDP's
+    units are): every strategy's peak per rank is lower than without."""
+    pytest.importorskip("transformers")
+    from tiny_fsdp.plan.__main__ import main
+
+    args = ["--model", "hf:llama", "--world_size", "4", "--seq_len", "64", "--json"]
+    full, ckpt = (json.loads(main(args + extra)) for extra in ([], ["--grad_ckpt"]))
+    for strategy in STRATEGIES:
+        assert ckpt[strategy]["peak_bytes"] < full[strategy]["peak_bytes"]
+
+
 class _AttentionLM(nn.Module):
     """One causal self-attention through ``F.scaled_dot_product_attention``, as LLaMA's."""
 

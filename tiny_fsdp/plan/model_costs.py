@@ -30,7 +30,10 @@ of ``GPT2Model`` with CPU's fused attention (``tests/test_plan.py`` checks it pe
 With gradient checkpointing a block keeps only its input (C elements), and backward recomputes
 one block at a time, so one block's full activations come back on top. Other models: the saved
 tensors of one forward on the ``meta`` device (no memory, no compute), floating-point ones as
-elements (they take the planned precision's width) and the rest as bytes.
+elements (they take the planned precision's width) and the rest as bytes, each charged to the
+block that saved it (the blocks FSDP's ``unit="auto"`` finds) or to the rest of the model; with
+checkpointing, the rest and the blocks' inputs are kept and the largest block comes back (for
+GPT-2 the two ways agree within 1 %, ``tests/test_plan.py``).
 
 [Note: attention on meta]
 On ``meta``, ``F.scaled_dot_product_attention`` runs its math fallback, which keeps the
@@ -217,46 +220,61 @@ def module_costs(
         return gpt2_costs(config, name)
     tensors, rows, layers, units, layer_matmul, matmul_shape = _layers_and_tensors(model)
     matmul = sum(layer_matmul)
-    act = (0.0, 0.0)
+    act, kept, block = (0.0, 0.0), None, (0.0, 0.0)
     if example_input is not None:
-        elements, other_bytes = _meta_saved(model, example_input, device_type)
+        saved = _meta_saved(model, example_input, device_type)
         inputs = example_input.values() if isinstance(example_input, Mapping) else [example_input]
         tokens = next(iter(inputs)).numel()
-        act = (elements / tokens, other_bytes / tokens)
+        act, block = (tuple(x / tokens for x in pair) for pair in (saved.total, saved.block))
+        kept = None if saved.kept is None else tuple(x / tokens for x in saved.kept)
     return ModelCosts(
-        name, tensors, layers, units, layer_matmul, matmul, 0, act, None, (0, 0), rows,
+        name, tensors, layers, units, layer_matmul, matmul, 0, act, kept, block, rows,
         matmul_shape,
     )  # fmt: skip
+
+
+@dataclass(frozen=True)
+class _Saved:
+    """What one forward saves for backward, as ``(floating-point elements, other bytes)``:
+    ``total``; with every block checkpointed, ``kept`` (what is saved outside the blocks and
+    the blocks' inputs; None without blocks) and ``block`` (the largest block's, recomputed)."""
+
+    total: Tuple[int, int]
+    kept: Optional[Tuple[int, int]]
+    block: Tuple[int, int]
 
 
 def _meta_saved(
     model: nn.Module,
     example_input: Union[torch.Tensor, Mapping[str, torch.Tensor]],
     device_type: str,
-) -> Tuple[int, int]:
+) -> _Saved:
     """The distinct tensors (not parameters) autograd saves in one forward on meta: elements
     of the floating-point ones (their width is the planned precision's) and bytes of the rest
-    (token ids, masks)."""
+    (token ids, masks), per block of the model (``repeated_blocks``) and outside them."""
+    from tiny_fsdp.core.unit_layout import repeated_blocks
+
     meta = model
     if next(model.parameters()).device.type != "meta":
         meta = copy.deepcopy(model).to("meta")  # leave the caller's model as it is
     params = {id(p) for p in meta.parameters()}
-    seen: Dict[object, Tuple[int, int]] = {}
+    seen: Dict[object, Tuple[int, int, int]] = {}  # tensor -> (region, elements, bytes)
+    block_inputs: Dict[object, Tuple[int, int, int]] = {}
     kept: List[torch.Tensor] = []  # alive to the end, so that no id is reused
-    counting = [True]
+    counting, region = [True], [-1]  # region: the block running, -1 outside
 
-    def record(t: torch.Tensor) -> None:
+    def record(t: torch.Tensor, into: Dict[object, Tuple[int, int, int]]) -> None:
         base = t
         while base._base is not None:
             base = base._base
-        if id(base) not in params:
+        if id(base) not in params and id(base) not in into:
             kept.append(base)
             floating = base.is_floating_point()
-            seen[id(base)] = (base.numel(), 0) if floating else (0, base.nbytes)
+            into[id(base)] = (region[0], *((base.numel(), 0) if floating else (0, base.nbytes)))
 
     def pack(t: torch.Tensor) -> torch.Tensor:
         if counting[0]:
-            record(t)
+            record(t, seen)
         return t
 
     def fused_attention(attention, args, kwargs) -> torch.Tensor:
@@ -275,21 +293,55 @@ def _meta_saved(
         inputs = [*args[:4], *(kwargs[n] for n in names[len(args[:4]) :] if n in kwargs)]
         for t in [*inputs, out]:
             if isinstance(t, torch.Tensor):
-                record(t)
-        seen[("logsumexp", id(out))] = (0, 4 * out.shape[:-1].numel())  # fp32, (B, H, L)
+                record(t, seen)
+        seen[("logsumexp", id(out))] = (region[0], 0, 4 * out.shape[:-1].numel())  # fp32
         return out
 
-    with _Intercept(F.scaled_dot_product_attention, fused_attention), \
-            torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):  # fmt: skip
-        if isinstance(example_input, Mapping):
-            out = meta(**{k: v.to("meta") for k, v in example_input.items()})
-        else:
-            out = meta(example_input.to("meta"))
-        if not isinstance(out, torch.Tensor):  # transformers' outputs, a tuple: the first
-            out = out.logits if hasattr(out, "logits") else out[0]
-        logits = out
-        F.log_softmax(logits.float(), dim=-1).sum()
-    return sum(e for e, _ in seen.values()), sum(b for _, b in seen.values())
+    def enter(index: int) -> Callable:
+        def hook(module: nn.Module, args: tuple, kwargs: dict) -> None:
+            region[0] = index  # a checkpointed block keeps its floating-point inputs
+            for t in [*args, *kwargs.values()]:
+                if isinstance(t, torch.Tensor) and t.is_floating_point():
+                    record(t, block_inputs)
+
+        return hook
+
+    def leave(module: nn.Module, args: tuple, output: object) -> None:
+        region[0] = -1
+
+    blocks = repeated_blocks(meta) or []
+    handles = [
+        h
+        for index, block in enumerate(blocks)
+        for h in (
+            block.register_forward_pre_hook(enter(index), with_kwargs=True),
+            block.register_forward_hook(leave),
+        )
+    ]
+    try:
+        with _Intercept(F.scaled_dot_product_attention, fused_attention), \
+                torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):  # fmt: skip
+            if isinstance(example_input, Mapping):
+                out = meta(**{k: v.to("meta") for k, v in example_input.items()})
+            else:
+                out = meta(example_input.to("meta"))
+            if not isinstance(out, torch.Tensor):  # transformers' outputs, a tuple: the first
+                out = out.logits if hasattr(out, "logits") else out[0]
+            F.log_softmax(out.float(), dim=-1).sum()
+    finally:
+        for h in handles:
+            h.remove()
+
+    def total(entries, where=lambda r: True) -> Tuple[int, int]:
+        chosen = [(e, b) for r, e, b in entries if where(r)]
+        return sum(e for e, _ in chosen), sum(b for _, b in chosen)
+
+    if not blocks:
+        return _Saved(total(seen.values()), None, (0, 0))
+    outside = {k: v for k, v in seen.items() if v[0] == -1}
+    kept_entries = {**block_inputs, **outside}.values()  # a tensor once
+    per_block = [total(seen.values(), lambda r, b=b: r == b) for b in range(len(blocks))]
+    return _Saved(total(seen.values()), total(kept_entries), max(per_block))
 
 
 class _Intercept(TorchFunctionMode):
