@@ -331,8 +331,8 @@ def test_a_module_s_measured_activations_agree_with_gpt2_s_formula():
     """Two derivations of the same numbers: the GPT-2 formula of [Note: model costs] and one
     forward on meta of the same model (through ``_Outer``), per token, in fp32 bytes: all
     activations, what gradient checkpointing keeps (outside the blocks and their inputs) and
-    one block (recomputed). Within 1 %: the meta forward counts the norms' fp32 statistics as
-    elements and the loss's targets are not part of the model's forward."""
+    one block (recomputed), within 1 % (the meta forward counts the norms' fp32 statistics as
+    elements and the loss's targets are not part of the model's forward); FLOPs exactly."""
     from tiny_fsdp.plan import module_costs
 
     config = GPTConfig(block_size=64, vocab_size=256, n_layer=3, n_head=4, n_embd=64)
@@ -344,6 +344,8 @@ def test_a_module_s_measured_activations_agree_with_gpt2_s_formula():
         want_e, want_f = getattr(formula, part)
         assert 4 * e + f == pytest.approx(4 * want_e + want_f, rel=0.01), part
     assert measured.activation_bytes(512, 4, grad_ckpt=True) < measured.activation_bytes(512, 4)
+    # FLOPs: the weights' matrix products from the layers, attention's counted in the forward.
+    assert measured.flops(8 * 64, 64) == pytest.approx(formula.flops(8 * 64, 64), rel=1e-9)
 
 
 def test_the_cli_plans_gradient_checkpointing_of_a_transformers_model():

@@ -15,7 +15,9 @@ FLOPs per token (Kaplan et al. 2020, "Scaling laws", section 2.1): 6 per weight 
 matrix products (2 forward, 4 backward), embeddings excluded except a tied output head, plus
 attention scores and their product with the values, 2 * 2 * T * C forward per layer (12 T C
 with backward). Elementwise operations (norms, GELU, softmax, the optimizer) are not FLOPs here:
-their time is in the calibrated rate ([Note: calibration]).
+their time is in the calibrated rate ([Note: calibration]). Other models: the layers' weights
+give the first term, and the matrix products of the meta forward below that use no layer's own
+weight (attention, a head tied to an embedding) the second (for GPT-2: the formula exactly).
 
 Activations: the bytes autograd keeps for backward, per token, measured from the saved tensors
 of ``GPT2Model`` with CPU's fused attention (``tests/test_plan.py`` checks it per strategy):
@@ -55,6 +57,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.overrides import TorchFunctionMode
+from torch.utils.flop_counter import FlopCounterMode
 
 from tiny_fsdp.models.gpt2 import GPT2Model, GPTConfig
 
@@ -73,7 +76,8 @@ class ModelCosts:
         layer_matmul: per layer, the weight elements of its matrix products per token.
         matmul_params: weight elements of the matrix products per token (tied head included).
         attention_flops_per_token: forward attention FLOPs per token at ``seq_len`` = 1
-            (multiply by ``seq_len``): ``4 * n_layer * C`` for GPT-2, 0 if unknown.
+            (multiply by ``seq_len``): ``4 * n_layer * C`` for GPT-2; another model's are
+            counted in its meta forward (every matrix product not of a layer's own weight).
         act_per_token: ``(elements, fixed bytes)`` saved for backward per token; ``fixed``
             holds the fp32 / int64 parts that do not follow the compute dtype.
         ckpt_per_token: the same with gradient checkpointing; None if the model cannot.
@@ -89,7 +93,7 @@ class ModelCosts:
     units: List[List[int]]
     layer_matmul: List[int]
     matmul_params: int
-    attention_flops_per_token: int = 0
+    attention_flops_per_token: float = 0
     act_per_token: tuple = (0, 0)
     ckpt_per_token: Optional[tuple] = None
     block_per_token: tuple = (0, 0)
@@ -220,15 +224,19 @@ def module_costs(
         return gpt2_costs(config, name)
     tensors, rows, layers, units, layer_matmul, matmul_shape = _layers_and_tensors(model)
     matmul = sum(layer_matmul)
-    act, kept, block = (0.0, 0.0), None, (0.0, 0.0)
+    act, kept, block, other_flops = (0.0, 0.0), None, (0.0, 0.0), 0.0
     if example_input is not None:
         saved = _meta_saved(model, example_input, device_type)
         inputs = example_input.values() if isinstance(example_input, Mapping) else [example_input]
-        tokens = next(iter(inputs)).numel()
+        first = next(iter(inputs))
+        tokens, seq_len = first.numel(), (first.shape[-1] if first.dim() else 1)
         act, block = (tuple(x / tokens for x in pair) for pair in (saved.total, saved.block))
         kept = None if saved.kept is None else tuple(x / tokens for x in saved.kept)
+        # Matrix products of no layer's own weight (attention, a tied head), as attention's
+        # term of ``flops``: per token and sequence position.
+        other_flops = max(0.0, saved.forward_flops - 2.0 * matmul * tokens) / (tokens * seq_len)
     return ModelCosts(
-        name, tensors, layers, units, layer_matmul, matmul, 0, act, kept, block, rows,
+        name, tensors, layers, units, layer_matmul, matmul, other_flops, act, kept, block, rows,
         matmul_shape,
     )  # fmt: skip
 
@@ -242,6 +250,7 @@ class _Saved:
     total: Tuple[int, int]
     kept: Optional[Tuple[int, int]]
     block: Tuple[int, int]
+    forward_flops: int
 
 
 def _meta_saved(
@@ -251,7 +260,8 @@ def _meta_saved(
 ) -> _Saved:
     """The distinct tensors (not parameters) autograd saves in one forward on meta: elements
     of the floating-point ones (their width is the planned precision's) and bytes of the rest
-    (token ids, masks), per block of the model (``repeated_blocks``) and outside them."""
+    (token ids, masks), per block of the model (``repeated_blocks``) and outside them; and
+    the forward's FLOPs (``torch.utils.flop_counter``)."""
     from tiny_fsdp.core.unit_layout import repeated_blocks
 
     meta = model
@@ -318,8 +328,9 @@ def _meta_saved(
             block.register_forward_hook(leave),
         )
     ]
+    flops = FlopCounterMode(display=False)
     try:
-        with _Intercept(F.scaled_dot_product_attention, fused_attention), \
+        with _Intercept(F.scaled_dot_product_attention, fused_attention), flops, \
                 torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):  # fmt: skip
             if isinstance(example_input, Mapping):
                 out = meta(**{k: v.to("meta") for k, v in example_input.items()})
@@ -337,11 +348,13 @@ def _meta_saved(
         return sum(e for e, _ in chosen), sum(b for _, b in chosen)
 
     if not blocks:
-        return _Saved(total(seen.values()), None, (0, 0))
+        return _Saved(total(seen.values()), None, (0, 0), flops.get_total_flops())
     outside = {k: v for k, v in seen.items() if v[0] == -1}
     kept_entries = {**block_inputs, **outside}.values()  # a tensor once
     per_block = [total(seen.values(), lambda r, b=b: r == b) for b in range(len(blocks))]
-    return _Saved(total(seen.values()), total(kept_entries), max(per_block))
+    return _Saved(
+        total(seen.values()), total(kept_entries), max(per_block), flops.get_total_flops()
+    )
 
 
 class _Intercept(TorchFunctionMode):
