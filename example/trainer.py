@@ -74,7 +74,7 @@ def build_arg_parser(strategy: str) -> argparse.ArgumentParser:
         default=None,
         choices=["on", "off"],
         help="enable_async_communication (overlap communication with computation); default: "
-        "the strategy's own default (on for DDP / ZeRO-1 / ZeRO-2)",
+        "the strategy's own default (on for every strategy)",
     )
     p.add_argument(
         "--precision",

@@ -101,6 +101,22 @@ def _on_off_bitwise(rank: int, world_size: int) -> None:
         _assert_same(runs[True], runs[False], f"{strategy}: async on vs off")
 
 
+def _defaults(rank: int, world_size: int) -> Dict[str, bool]:
+    from tests.build import WRAPPERS
+    from tiny_fsdp import core
+
+    return {
+        name: getattr(core, name)(make_model()).enable_async_communication
+        for name in WRAPPERS.values()
+    }
+
+
+def test_every_wrapper_overlaps_communication_by_default() -> None:
+    """What a user gets with no arguments (issue #17), as PyTorch's DDP and FSDP2 do."""
+    for on_rank in run_distributed(_defaults, 2):
+        assert on_rank == {name: True for name in on_rank}, on_rank
+
+
 def test_async_on_and_off_are_bitwise_identical_with_accumulation_no_sync_and_clipping() -> None:
     run_distributed(_on_off_bitwise, 2)
 
