@@ -49,13 +49,13 @@ dropout falls back to the math kernel (BERT's, in training) and is counted as it
 attention written out by hand.
 """
 
-import copy
 from dataclasses import dataclass, field
 from typing import Callable, Dict, List, Mapping, Optional, Tuple, Union
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.func import functional_call
 from torch.overrides import TorchFunctionMode
 from torch.utils.flop_counter import FlopCounterMode
 
@@ -264,10 +264,12 @@ def _meta_saved(
     the forward's FLOPs (``torch.utils.flop_counter``)."""
     from tiny_fsdp.core.unit_layout import repeated_blocks
 
-    meta = model
-    if next(model.parameters()).device.type != "meta":
-        meta = copy.deepcopy(model).to("meta")  # leave the caller's model as it is
-    params = {id(p) for p in meta.parameters()}
+    # The caller's module runs on meta stand-ins of its tensors (no copy of a loaded model).
+    state = {
+        name: torch.empty_like(t, device="meta").requires_grad_(t.requires_grad)
+        for name, t in [*model.named_parameters(), *model.named_buffers()]
+    }
+    params = {id(t) for name, t in state.items() if name in dict(model.named_parameters())}
     seen: Dict[object, Tuple[int, int, int]] = {}  # tensor -> (region, elements, bytes)
     block_inputs: Dict[object, Tuple[int, int, int]] = {}
     kept: List[torch.Tensor] = []  # alive to the end, so that no id is reused
@@ -319,7 +321,7 @@ def _meta_saved(
     def leave(module: nn.Module, args: tuple, output: object) -> None:
         region[0] = -1
 
-    blocks = repeated_blocks(meta) or []
+    blocks = repeated_blocks(model) or []
     handles = [
         h
         for index, block in enumerate(blocks)
@@ -333,12 +335,14 @@ def _meta_saved(
         with _Intercept(F.scaled_dot_product_attention, fused_attention), flops, \
                 torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):  # fmt: skip
             if isinstance(example_input, Mapping):
-                out = meta(**{k: v.to("meta") for k, v in example_input.items()})
+                kwargs = {k: v.to("meta") for k, v in example_input.items()}
+                out = functional_call(model, state, (), kwargs)
             else:
-                out = meta(example_input.to("meta"))
+                out = functional_call(model, state, (example_input.to("meta"),))
             if not isinstance(out, torch.Tensor):  # transformers' outputs, a tuple: the first
                 out = out.logits if hasattr(out, "logits") else out[0]
-            F.log_softmax(out.float(), dim=-1).sum()
+            if out.dim():  # not a loss the model computed itself
+                F.log_softmax(out.float(), dim=-1).sum()
     finally:
         for h in handles:
             h.remove()
