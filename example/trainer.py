@@ -95,7 +95,12 @@ def build_arg_parser(strategy: str) -> argparse.ArgumentParser:
         help="a collective waiting this long for the other ranks raises",
     )
     p.add_argument("--save_dir", default=None, help="checkpoint directory (replaced atomically)")
-    p.add_argument("--save_every", type=int, default=0, help="save every N steps and at the end")
+    p.add_argument(
+        "--save_every",
+        type=int,
+        default=0,
+        help="with --save_dir: also every N steps (0: at the end only)",
+    )
     p.add_argument(
         "--resume",
         nargs="?",
@@ -243,11 +248,8 @@ def main(strategy: str, argv: Optional[List[str]] = None) -> List[float]:
         if not nonfinite:
             optimizer.step()
         optimizer.zero_grad(set_to_none=True)
-        if (
-            args.save_dir
-            and args.save_every
-            and ((step + 1) % args.save_every == 0 or step + 1 == args.steps)
-        ):
+        periodic = args.save_every and (step + 1) % args.save_every == 0
+        if args.save_dir and (periodic or step + 1 == args.steps):
             # step + 1 steps done: the data position to resume from ((seed, step) -> batch).
             save_checkpoint(
                 args.save_dir, model, optimizer, step=step + 1, sharded=args.sharded_ckpt

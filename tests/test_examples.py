@@ -115,6 +115,27 @@ def test_the_trainer_on_two_ranks_matches_single_device(strategy, common, single
             assert abs(ours - ref) <= PARITY_LOSS_ATOL, (strategy, losses, single_device_losses)
 
 
+def _save_then_resume(rank: int, world_size: int, strategy: str, argv: List[str], path: str):
+    with as_a_launched_job():
+        whole = trainer.main(strategy, argv)
+        first = trainer.main(strategy, [*argv, "--steps", "2", "--save_dir", path])
+        rest = trainer.main(strategy, [*argv, "--save_dir", path, "--resume"])
+    return whole, first, rest
+
+
+@pytest.mark.parametrize("strategy, sharded", [("zero1", False), ("fsdp", True)])
+def test_the_trainer_saves_at_the_end_and_resumes_bit_for_bit(strategy, sharded, common, tmp_path):
+    """``--save_dir`` alone saves after the last step (``--save_every`` adds more); ``--resume``
+    continues from it (weights, optimizer, RNG and data position) to the losses of the run
+    that never stopped, to the bit. A constant lr (``--min_lr_ratio 1``) makes a 2-step run
+    the first two steps of a 3-step one."""
+    argv = [*common, "--batch_size", "2", "--min_lr_ratio", "1"]
+    argv += ["--sharded_ckpt"] if sharded else []
+    path = str(tmp_path / "ckpt")
+    for whole, first, rest in run_distributed(_save_then_resume, 2, strategy, argv, path):
+        assert len(whole) == 3 and first == whole[:2] and rest == whole[2:], (whole, first, rest)
+
+
 def test_fsdp_hsdp_across_two_torchrun_nodes_of_two_ranks(common, single_device_losses, tmp_path):
     """``--hsdp 2`` on two torchrun "nodes" of 2 ranks (each node one shard group, [Note: hybrid
     sharding]), 1 sequence per rank: the global batch of the single-device run. Two steps: the
