@@ -1,18 +1,20 @@
 """Specification: the state dict of an FSDP or ZeRO-3 optimizer is this rank's part ([Note: local
 optimizer state] in ``tiny_fsdp/core/optim/base.py``). Saved and loaded on every rank, each its
 own, training resumes exactly; a state taken on another rank (the torch DDP habit: rank 0 saves
-``optimizer.state_dict()``, every rank loads that file), or without the rank tag, is refused with
-the fix instead of giving every parameter another rank's moments.
+``optimizer.state_dict()``, every rank loads that file), at another world size, or without the
+rank tag, is refused with the fix instead of giving every parameter another rank's moments.
 """
 
 import copy
 from typing import List
 
+import pytest
 import torch
 import torch.distributed as dist
 from torch import nn
 
 from tests.harness import run_distributed
+from tiny_fsdp.core.optim.base import LOCAL_STATE_KEY
 
 
 def _batch(step: int, rank: int) -> torch.Tensor:
@@ -45,6 +47,10 @@ def _worker(rank: int, world_size: int) -> List[str]:
         resumed = getattr(core, wrapper)(copy.deepcopy(plain))
         resumed_optim = make(resumed.named_parameters(), lr=1e-2)
         resumed.load_state_dict(saved_model)
+        # This rank's own part as if taken with one rank more (the same rank number): refused.
+        other_world = {**saved_optim, LOCAL_STATE_KEY: {"rank": rank, "world_size": world_size + 1}}
+        with pytest.raises(ValueError, match=rf"is rank {rank}'s part \(of {world_size + 1} ranks"):
+            resumed_optim.load_state_dict(other_world)
         for state, loads in (([saved_optim], rank == 0), ([{"state": {}}], False)):
             dist.broadcast_object_list(state, src=0)  # rank 0's part, on every rank
             try:
