@@ -59,6 +59,9 @@ class Decoder(nn.Module):
         """The model initialising itself, called after wrapping (torchtitan's habit)."""
         self.apply(_init(seen))
 
+    # The other names a model's own init goes by (transformers' post_init, ...).
+    initialize_weights = post_init = reset_parameters = init_parameters = init_weights
+
 
 def _batch(step: int, rank: int) -> torch.Tensor:
     return torch.randint(VOCAB, (3, 7), generator=torch.Generator().manual_seed(10 * step + rank))
@@ -139,7 +142,8 @@ def _init(seen: Dict[str, tuple]):
 
 
 def _apply_worker(rank: int, world_size: int, how: str) -> List[str]:
-    """``model.apply(init)`` after wrapping, or the model's own ``model.init_weights()``, gives
+    """``model.apply(init)`` after wrapping, or the model's own init method (``init_weights``
+    and the other names of ``INIT_METHODS``), gives
     on every rank the parameters ``plain.apply`` gives on one device, draw for draw, and the
     model trains on from them as torch DDP does."""
     torch.manual_seed(0)
@@ -156,7 +160,7 @@ def _apply_worker(rank: int, world_size: int, how: str) -> List[str]:
         if how == "apply":
             assert model.apply(_init(seen)) is model
         else:
-            model.init_weights(seen)
+            getattr(model, how)(seen)
         assert seen == want_seen, (strategy, "init saw shards", seen)  # whole tensors
         state = model.state_dict()
         for key, value in plain.state_dict().items():
@@ -171,7 +175,17 @@ def _apply_worker(rank: int, world_size: int, how: str) -> List[str]:
     return checked
 
 
-@pytest.mark.parametrize("how", ["apply", "init_weights"])
+# README's list of a model's own init methods that run with whole parameters.
+INIT_METHODS = [
+    "init_weights",
+    "initialize_weights",
+    "post_init",
+    "reset_parameters",
+    "init_parameters",
+]
+
+
+@pytest.mark.parametrize("how", ["apply", *INIT_METHODS])
 def test_init_after_wrapping_gives_one_devices_draws_under_every_wrapper(how: str) -> None:
     assert run_distributed(_apply_worker, 2, how)[0] == list(STRATEGIES)
 
