@@ -278,6 +278,24 @@ def test_cli_json_has_every_strategy_for_every_example_preset():
             assert out[strategy]["peak_bytes"] == plans[strategy].peak_bytes
 
 
+def test_the_cli_plans_a_model_by_size_or_by_config_file(tmp_path):
+    """``--num_params N --n_layer L``: a GPT-2 of about N parameters (its width rounded to whole
+    heads); ``--config FILE``: the GPTConfig fields of a file, planned as the same preset."""
+    from tiny_fsdp.plan.__main__ import config_for_count, main
+
+    config = config_for_count(350e6, 24, 50304, 1024)
+    assert config.n_layer == 24 and config.n_embd % config.n_head == 0
+    assert gpt2_costs(config).num_params == pytest.approx(350e6, rel=0.03)
+    by_size = json.loads(main(["--num_params", "350e6", "--n_layer", "24", "--json"]))
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(dataclasses.asdict(config)))
+    assert json.loads(main(["--config", str(path), "--json"])) == by_size
+    preset = dataclasses.asdict(GPTConfigs.get("gpt2_mini"))
+    path.write_text(json.dumps(preset))
+    args = ["--seq_len", "64", "--json"]
+    assert main(["--config", str(path), *args]) == main(["--model", "gpt2_mini", *args])
+
+
 def test_plan_model_reads_any_module():
     """A model that is not GPT-2 (tests/zoo.py), as a user calls it: a preset's name, no
     example input. Its tensors and layers are read from the module, its activations from one
