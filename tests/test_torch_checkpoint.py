@@ -233,9 +233,18 @@ def _build_fsdp2(seed: int) -> Tuple[nn.Module, Any]:
     return model, torch.optim.AdamW(model.parameters(), lr=1e-2)
 
 
-def _between_fsdp2_and_ours(rank: int, world: int, path: str) -> Dict[str, float]:
+def _build_torch_ddp(seed: int) -> Tuple[nn.Module, Any]:
+    from torch.nn.parallel import DistributedDataParallel
+
+    torch.manual_seed(seed)
+    model = DistributedDataParallel(Pair())
+    return model, torch.optim.AdamW(model.parameters(), lr=1e-2)
+
+
+def _between_torch_and_ours(rank: int, world: int, path: str) -> Dict[str, float]:
     """Save under one, load under the other, 2 more steps; the gap to the saver's own 2."""
     ours = lambda seed: _build("FSDP", "torch", seed, Pair)  # noqa: E731
+    our_ddp = lambda seed: _build("DDP", "torch", seed, Pair)  # noqa: E731
 
     def compiled(seed: int) -> Tuple[nn.Module, Any]:
         model, optimizer = ours(seed)
@@ -247,6 +256,10 @@ def _between_fsdp2_and_ours(rank: int, world: int, path: str) -> Dict[str, float
         ("ours -> FSDP2", ours, _build_fsdp2),
         ("torch.compile(ours) -> FSDP2", compiled, _build_fsdp2),
         ("FSDP2 -> torch.compile(ours)", _build_fsdp2, compiled),
+        ("torch DDP -> our DDP", _build_torch_ddp, our_ddp),
+        ("our DDP -> torch DDP", our_ddp, _build_torch_ddp),
+        ("torch DDP -> our FSDP", _build_torch_ddp, ours),
+        ("our FSDP -> torch DDP", ours, _build_torch_ddp),
     ):
         model, optimizer = save_with(0)
         for step in range(2):
@@ -260,12 +273,13 @@ def _between_fsdp2_and_ours(rank: int, world: int, path: str) -> Dict[str, float
     return gaps
 
 
-def test_checkpoints_move_between_fsdp2_and_our_fsdp(tmp_path) -> None:
+def test_checkpoints_move_between_fsdp2_or_torch_ddp_and_ours(tmp_path) -> None:
     """The same keys (the plain model's) and the same DTensor layout as FSDP2: its checkpoint
     resumes under our FSDP and ours under it, as the saver would have gone on (bit for bit:
-    the same sums of the same two ranks); also with our FSDP inside torch.compile's module."""
-    for gaps in run_distributed(_between_fsdp2_and_ours, 2, str(tmp_path)):
-        assert set(gaps.values()) == {0.0} and len(gaps) == 4, gaps
+    the same sums of the same two ranks); also with our FSDP inside torch.compile's module, and
+    between torch's DDP and our DDP or FSDP (whole tensors one way, Shard(0) DTensors the other)."""
+    for gaps in run_distributed(_between_torch_and_ours, 2, str(tmp_path)):
+        assert set(gaps.values()) == {0.0} and len(gaps) == 8, gaps
 
 
 def _model_round_trip(rank: int, world: int, path: str) -> Dict[str, float]:
