@@ -3,8 +3,8 @@ alone (the torch DDP habit ``if rank == 0: torch.save(model.state_dict(), path)`
 collective: it waits for the other ranks, warns what it waits for and how to fix the call, and
 raises once the collective timeout has passed; a rank that merely arrives later is waited for in
 silence. A forward without gradients (evaluation, generation) under FSDP / ZeRO-3, and
-``save_checkpoint``, which gathers under every strategy, do the same ([Note: arrival check] in
-``tiny_fsdp/core/utils/arrival.py``).
+``save_checkpoint`` / ``load_checkpoint``, which every rank calls under every strategy, do the
+same ([Note: arrival check] in ``tiny_fsdp/core/utils/arrival.py``).
 """
 
 import os
@@ -58,7 +58,7 @@ def _on_rank0_alone(rank: int, what: str, call: Callable[[], object]) -> str:
 
 def _worker(rank: int, world_size: int) -> List[str]:
     from tiny_fsdp import core
-    from tiny_fsdp.checkpoint import save_checkpoint
+    from tiny_fsdp.checkpoint import load_checkpoint, save_checkpoint
     from tiny_fsdp.core.utils import arrival
     from tiny_fsdp.core.utils.dist import get_collective_timeout, set_collective_timeout
 
@@ -96,9 +96,16 @@ def _worker(rank: int, world_size: int) -> List[str]:
             seen.append(wrapper)
         # save_checkpoint gathers under every strategy: on rank 0 alone it raises alike.
         model = core.DDP(_model())
-        path = os.path.join(tempfile.mkdtemp(), "ckpt")
+        shared = [os.path.join(tempfile.mkdtemp(), "ckpt")]
+        dist.broadcast_object_list(shared, src=0)  # one directory for every rank
+        path = shared[0]
         _on_rank0_alone(rank, "save_checkpoint()", lambda: save_checkpoint(path, model))
         seen.append("save_checkpoint")
+        # load_checkpoint too (it reads on every rank and agrees on what it read).
+        save_checkpoint(path, model)
+        _on_rank0_alone(rank, "load_checkpoint()", lambda: load_checkpoint(path, model))
+        load_checkpoint(path, model)  # on every rank: fine
+        seen.append("load_checkpoint")
     finally:
         set_collective_timeout(previous[0])
         arrival.WARN_AFTER_S = previous[1]
@@ -106,7 +113,8 @@ def _worker(rank: int, world_size: int) -> List[str]:
 
 
 def test_a_rank_alone_in_a_gathering_state_dict_waits_warns_and_raises() -> None:
-    assert run_distributed(_worker, 2) == [["FSDP", "Zero3", "save_checkpoint"]] * 2
+    seen = ["FSDP", "Zero3", "save_checkpoint", "load_checkpoint"]
+    assert run_distributed(_worker, 2) == [seen] * 2
 
 
 def test_a_rank_alone_in_state_dict_raises_at_once_when_the_others_have_exited() -> None:
