@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+from torch.distributed.algorithms.join import Join
 from torch.nn.parallel import DistributedDataParallel
 
 from tests.harness import run_distributed
@@ -63,6 +64,7 @@ CASES: Dict[str, Dict[str, Any]] = {
     "average over active ranks": dict(divide_by_initial_world_size=False),
     "no_sync accumulation": dict(accumulate=True),
     "fp16 communication hook": dict(hook=default_hooks.fp16_compress_hook),
+    "Join([model])": dict(generic_join=True),  # torch's context manager over Joinables
 }
 
 
@@ -76,6 +78,8 @@ def _worker(rank: int, world_size: int) -> Dict[str, Dict[str, torch.Tensor]]:
             if "hook" in spec:
                 model.register_comm_hook(None, spec["hook"])
             join = functools.partial(model.join, **kwargs)
+            if spec.get("generic_join"):
+                join = functools.partial(Join, [model])
             after_join = _train(model, join, rank, spec.get("accumulate", False))
             states.append(model.module.state_dict())
         for key, expected in states[0].items():
