@@ -271,8 +271,19 @@ def _scaling_worker(rank: int, world_size: int) -> None:
     want = _train_scaled(ddp, optimizer, _scaler("GradScaler"), rank, world_size)
     want_state = ddp.module.state_dict()
     assert want[OVERFLOW_STEP][1] == INIT_SCALE / 2  # the step overflowed and was skipped
-    for strategy, kind in SCALERS:
-        model, optimizer = build(strategy, _scaled_lm(), adamw(**HYPER))
+    from tiny_fsdp.core import Zero1, Zero1Optimizer
+
+    def torch_class_under_zero1() -> Tuple[nn.Module, torch.optim.Optimizer]:
+        model = Zero1(_scaled_lm())  # ZeroRedundancyOptimizer's way: a torch.optim class
+        optimizer = Zero1Optimizer(model.named_parameters(), torch.optim.AdamW, **HYPER)
+        return model, optimizer
+
+    builders = [
+        (strategy, kind, lambda strategy=strategy: build(strategy, _scaled_lm(), adamw(**HYPER)))
+        for strategy, kind in SCALERS
+    ] + [("zero1 with torch.optim.AdamW", "GradScaler", torch_class_under_zero1)]
+    for strategy, kind, make in builders:
+        model, optimizer = make()
         got = _train_scaled(model, optimizer, _scaler(kind), rank, world_size)
         # The same fp16 ops; the fp32 gradient average is summed in another order.
         for step, ((loss, scale), (want_loss, want_scale)) in enumerate(zip(got, want)):
