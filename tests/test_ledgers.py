@@ -14,7 +14,9 @@ All distributed measurements of one world size come from one ``run_distributed``
 """
 
 import functools
+import json
 import math
+import os
 import time
 from collections import OrderedDict
 from typing import Any, Dict, List, Sequence, Tuple
@@ -432,7 +434,12 @@ def _benchmark(rank: int, world_size: int, out: str, extra: Sequence[str] = ()) 
     )
     env = DistEnv(rank, rank, world_size, torch.device("cpu"))
     batches = benchmark.load_batches(args, make_model().config.vocab_size)
-    results, _ = benchmark.run_phases(args, env, batches, lambda: make_model(args.seed))
+    traces: Dict[str, Any] = {}
+    results, _ = benchmark.run_phases(args, env, batches, lambda: make_model(args.seed), traces)
+    if traces:  # --trace: as the benchmark's main, every strategy's step on one time axis
+        from tiny_fsdp.trace.plot import plot_strategies
+
+        plot_strategies(traces, os.path.join(args.trace, "strategies.png"))
     if rank != 0:
         return None
     with torch.device("meta"):
@@ -481,6 +488,25 @@ def test_benchmark_no_comm_is_the_floor_every_strategy_of_its_phase_is_divided_b
     # is the global batch's loss. After one step each rank's model has seen only its batch.
     assert rows["no_comm"]["losses"][0] == pytest.approx(rows["ddp"]["losses"][0], abs=1e-6)
     assert abs(rows["no_comm"]["losses"][-1] - rows["ddp"]["losses"][-1]) > 1e-5
+
+
+def test_benchmark_compare_adds_each_counterpart_and_trace_writes_timelines(tmp_path):
+    """``--strategies zero3,fsdp --compare``: FSDP2 joins as their PyTorch counterpart, each
+    line gets its ratio to it; ``--trace DIR``: our strategies' timelines (Chrome trace and
+    PNG) and all of them on one axis."""
+    trace = tmp_path / "trace"
+    extra = ["--strategies", "zero3,fsdp", "--compare", "--trace", str(trace)]
+    rows, table, _ = run_distributed(_benchmark, 2, str(tmp_path), extra)[0]
+    assert list(rows) == ["zero3", "fsdp", "torch_fsdp2"]
+    for name in ("zero3", "fsdp"):
+        ratio = table.split(f"| {name} |")[1].split("|")[2].strip()  # the "x PyTorch" column
+        assert float(ratio) > 0, table
+        events = json.loads((trace / f"{name}.trace.json").read_text())["traceEvents"]
+        kinds = {e["args"]["kind"] for e in events if e.get("cat") == "comm"}
+        assert {"all_gather" if name == "fsdp" else "broadcast"} <= kinds, kinds
+        assert (trace / f"{name}.png").stat().st_size > 0
+    assert not (trace / "torch_fsdp2.trace.json").exists()  # PyTorch's are not recorded
+    assert (trace / "strategies.png").stat().st_size > 0
 
 
 def _torch_fused(rank: int, world_size: int) -> Dict[str, Any]:
