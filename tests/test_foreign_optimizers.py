@@ -49,6 +49,10 @@ PER_TENSOR: Dict[str, Make] = {
 }
 
 
+# Reads every parameter at once and re-evaluates the loss (a closure) several times a step.
+LBFGS: Make = lambda p: torch.optim.LBFGS(p, lr=0.5, max_iter=4)  # noqa: E731
+
+
 def _model() -> nn.Module:
     """Matrices only (Muon's domain), odd row counts: FSDP's shards are uneven."""
     torch.manual_seed(0)
@@ -59,11 +63,19 @@ def _train(model: nn.Module, optimizer: torch.optim.Optimizer, rank: int) -> Lis
     gen = torch.Generator().manual_seed(rank)
     losses = []
     for _ in range(STEPS):
-        optimizer.zero_grad()
-        loss = model(torch.randn(4, 7, generator=gen)).square().mean()
-        loss.backward()
-        optimizer.step()
-        losses.append(loss.item())
+        x = torch.randn(4, 7, generator=gen)
+
+        def closure() -> torch.Tensor:
+            optimizer.zero_grad()
+            loss = model(x).square().mean()
+            loss.backward()
+            return loss
+
+        if isinstance(optimizer, torch.optim.LBFGS):  # evaluates the loss as often as it needs
+            losses.append(optimizer.step(closure).item())
+        else:
+            losses.append(closure().item())
+            optimizer.step()
     return losses
 
 
@@ -81,15 +93,14 @@ def _trains_alike(strategy: str, name: str, make: Make, rank: int) -> None:
 def _worker(rank: int, world_size: int) -> List[str]:
     seen = []
     right = {
-        "ddp": {**ELEMENTWISE, **PER_TENSOR, "LBFGS": None},
+        "ddp": {**ELEMENTWISE, **PER_TENSOR, "LBFGS": LBFGS},
         "fsdp": ELEMENTWISE,
         "zero3": {**ELEMENTWISE, **PER_TENSOR},
     }
     for strategy, makes in right.items():
         for name, make in makes.items():
-            if name != "LBFGS":
-                _trains_alike(strategy, name, make, rank)
-                seen.append(f"{strategy} {name}")
+            _trains_alike(strategy, name, make, rank)
+            seen.append(f"{strategy} {name}")
     refused = {
         "fsdp": {"Adafactor": "whole tensors", "Muon": "whole tensors", "LBFGS": "all param"},
         "zero3": {"LBFGS": "all parameters at once"},
@@ -118,5 +129,5 @@ def _worker(rank: int, world_size: int) -> List[str]:
 def test_optimizers_of_other_libraries_train_right_or_are_refused() -> None:
     seen = run_distributed(_worker, 2)[0]
     # Element-wise rules under DDP, FSDP and ZeRO-3; per-tensor ones under DDP and ZeRO-3;
-    # four refusals; the warning under FSDP and ZeRO-3.
-    assert len(seen) == 3 * len(ELEMENTWISE) + 2 * len(PER_TENSOR) + 4 + 2, seen
+    # LBFGS under DDP; four refusals; the warning under FSDP and ZeRO-3.
+    assert len(seen) == 3 * len(ELEMENTWISE) + 2 * len(PER_TENSOR) + 1 + 4 + 2, seen
