@@ -272,7 +272,7 @@ def _meta_saved(
     params = {id(t) for name, t in state.items() if name in dict(model.named_parameters())}
     seen: Dict[object, Tuple[int, int, int]] = {}  # tensor -> (region, elements, bytes)
     block_inputs: Dict[object, Tuple[int, int, int]] = {}
-    kept: List[torch.Tensor] = []  # alive to the end, so that no id is reused
+    alive: List[torch.Tensor] = []  # every tensor counted, to the end: no id is reused
     counting, region = [True], [-1]  # region: the block running, -1 outside
 
     def record(t: torch.Tensor, into: Dict[object, Tuple[int, int, int]]) -> None:
@@ -280,7 +280,7 @@ def _meta_saved(
         while base._base is not None:
             base = base._base
         if id(base) not in params and id(base) not in into:
-            kept.append(base)
+            alive.append(base)
             floating = base.is_floating_point()
             into[id(base)] = (region[0], *((base.numel(), 0) if floating else (0, base.nbytes)))
 
