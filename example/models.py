@@ -8,7 +8,7 @@ generic path (ZeRO-3, FSDP; [Note: generic layer]).
 """
 
 from dataclasses import dataclass
-from typing import Callable, Dict, List, Optional
+from typing import Callable, List, Optional
 
 import torch
 from torch import nn
@@ -16,20 +16,7 @@ from torch import nn
 from example.tokenizer import ByteTokenizer
 from tiny_fsdp.models.gpt2 import GPT2Model, GPTConfigs
 from tiny_fsdp.models.hf_gpt2 import hf_gpt2_config
-
-# Small transformers configs on the byte vocabulary of the default data (block size 256).
-_HF_CONFIGS: Dict[str, Callable[[], object]] = {
-    "hf:gpt2": lambda tf: tf.GPT2Config(
-        n_layer=4, n_head=4, n_embd=128, n_positions=256, vocab_size=256, resid_pdrop=0.0,
-        embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0,
-    ),  # fmt: skip
-    "hf:llama": lambda tf: tf.LlamaConfig(
-        hidden_size=128, intermediate_size=344, num_hidden_layers=4, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=256, vocab_size=256, bos_token_id=0,
-        eos_token_id=0, pad_token_id=0,
-    ),  # fmt: skip
-}
-_HF_CLASSES = {"hf:gpt2": "GPT2LMHeadModel", "hf:llama": "LlamaForCausalLM"}
+from tiny_fsdp.models.hf_presets import HF_PRESETS, hf_preset
 
 
 @dataclass
@@ -53,17 +40,7 @@ def model_names() -> List[str]:
     gpt2 = [
         n for n in GPTConfigs.names() if GPTConfigs.get(n).vocab_size >= ByteTokenizer.vocab_size
     ]
-    return gpt2 + list(_HF_CONFIGS)
-
-
-def _transformers():
-    try:
-        import transformers
-    except ImportError as e:
-        raise SystemExit(
-            "the hf: models need the transformers package: pip install transformers"
-        ) from e
-    return transformers
+    return gpt2 + list(HF_PRESETS)
 
 
 def model_spec(name: str, init_from: Optional[str] = None) -> ModelSpec:
@@ -71,12 +48,11 @@ def model_spec(name: str, init_from: Optional[str] = None) -> ModelSpec:
     if init_from is not None:
         config = hf_gpt2_config(init_from)
         return ModelSpec(init_from, lambda: GPT2Model(config), config.vocab_size, config.block_size)
-    if name in _HF_CONFIGS:
-        tf = _transformers()
-        config = _HF_CONFIGS[name](tf)
-        cls = getattr(tf, _HF_CLASSES[name])
-        block = getattr(config, "n_positions", None) or config.max_position_embeddings
-        return ModelSpec(name, lambda: cls(config), config.vocab_size, block)
+    if name in HF_PRESETS:
+        try:
+            return ModelSpec(name, *hf_preset(name))
+        except ImportError as e:
+            raise SystemExit(str(e)) from e
     config = GPTConfigs.get(name)
     return ModelSpec(name, lambda: GPT2Model(config), config.vocab_size, config.block_size)
 

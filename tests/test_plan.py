@@ -30,7 +30,10 @@ import copy
 import dataclasses
 import functools
 import json
+import os
 import statistics
+import subprocess
+import sys
 import time
 from typing import Callable, Set
 
@@ -294,6 +297,17 @@ def test_the_cli_plans_a_model_by_size_or_by_config_file(tmp_path):
     path.write_text(json.dumps(preset))
     args = ["--seq_len", "64", "--json"]
     assert main(["--config", str(path), *args]) == main(["--model", "gpt2_mini", *args])
+
+
+def test_the_installed_planner_plans_the_hf_presets_outside_the_repository(tmp_path):
+    """The library never imports ``example`` (#14): from another directory, without the
+    repository on the path, ``python -m tiny_fsdp.plan --model hf:llama`` plans."""
+    pytest.importorskip("transformers")
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    cmd = [sys.executable, "-m", "tiny_fsdp.plan", "--model", "hf:llama", "--json"]
+    done = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert list(json.loads(done.stdout)) == list(STRATEGIES)
 
 
 def test_plan_model_reads_any_module():

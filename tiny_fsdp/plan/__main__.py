@@ -20,11 +20,11 @@ import torch
 
 from tiny_fsdp.estimate import OPTIMIZERS, PRECISIONS, estimate_model
 from tiny_fsdp.models.gpt2 import GPT2Model, GPTConfig, GPTConfigs
+from tiny_fsdp.models.hf_presets import HF_PRESETS, hf_preset
 from tiny_fsdp.plan.calibration import load_calibration, preset_names, save_calibration
 from tiny_fsdp.plan.model_costs import gpt2_costs, module_costs
 from tiny_fsdp.plan.planner import Prediction, plan
 
-HF_MODELS = ("hf:gpt2", "hf:llama")  # the examples' transformers presets (example/models.py)
 _UNITS = {"": 1, "b": 1, "kb": 1e3, "mb": 1e6, "gb": 1e9, "tb": 1e12, "kib": 2**10,
           "mib": 2**20, "gib": 2**30, "tib": 2**40}  # fmt: skip
 
@@ -56,11 +56,10 @@ def _model(args):
     elif args.num_params is not None:
         config = config_for_count(args.num_params, args.n_layer, args.vocab_size, args.seq_len)
         name = f"{args.num_params / 1e6:,.0f} M parameters as GPT-2 ({config})"
-    elif args.model in HF_MODELS:
-        from example.models import model_spec  # the examples' presets; needs transformers
-
+    elif args.model in HF_PRESETS:
+        make, _, _ = hf_preset(args.model)
         with torch.device("meta"):
-            module = model_spec(args.model).make()
+            module = make()
         tokens = torch.zeros(args.batch_size, args.seq_len, dtype=torch.long)
         costs = module_costs(module, tokens, args.model)
         return costs, estimate_model(module, args.world_size, args.precision, args.optimizer)
@@ -102,7 +101,7 @@ def format_plan(plans: Dict[str, Prediction]) -> str:
 
 def main(argv: Optional[Sequence[str]] = None) -> str:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", default="gpt2", choices=GPTConfigs.names() + list(HF_MODELS))
+    parser.add_argument("--model", default="gpt2", choices=GPTConfigs.names() + list(HF_PRESETS))
     parser.add_argument("--num_params", type=float, default=None, help="overrides --model")
     parser.add_argument("--n_layer", type=int, default=12, help="with --num_params")
     parser.add_argument("--vocab_size", type=int, default=50304, help="with --num_params")
