@@ -155,6 +155,11 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
         select_phases(args.strategies, args.compare, args.one_phase)
     except ValueError as e:
         p.error(str(e))
+    if args.data != "random" and args.model not in model_names():  # gpt2_tiny: 67 ids
+        p.error(
+            f"--model {args.model} has {GPTConfigs.get(args.model).vocab_size} token ids, fewer "
+            "than text needs (256 bytes): run it on --data random, or pick another --model"
+        )
     return args
 
 
@@ -163,7 +168,7 @@ def load_batches(args: argparse.Namespace, vocab_size: int) -> TokenBatches:
         gen = torch.Generator().manual_seed(args.seed)
         tokens = torch.randint(vocab_size, (100 * args.seq_len,), generator=gen)
         return TokenBatches(tokens, args.seq_len, args.seed, source="random")
-    tokens = load_tokens(args.data, get_tokenizer("auto"))
+    tokens = load_tokens(args.data, get_tokenizer("auto", vocab_size))  # ids the model embeds
     check_vocab(tokens, vocab_size, args.data or "the embedded corpus")
     return TokenBatches(tokens, args.seq_len, args.seed, source=args.data or "embedded")
 

@@ -13,7 +13,9 @@ All distributed measurements of one world size come from one ``run_distributed``
 (``_measure``), cached for the module; the tests only compare.
 """
 
+import contextlib
 import functools
+import io
 import json
 import math
 import os
@@ -507,6 +509,40 @@ def test_benchmark_compare_adds_each_counterpart_and_trace_writes_timelines(tmp_
         assert (trace / f"{name}.png").stat().st_size > 0
     assert not (trace / "torch_fsdp2.trace.json").exists()  # PyTorch's are not recorded
     assert (trace / "strategies.png").stat().st_size > 0
+
+
+def test_benchmark_reads_the_default_text_with_ids_its_model_embeds(monkeypatch) -> None:
+    """As the trainer: where GPT-2's BPE is cached, a model of byte vocabulary still reads
+    bytes; a preset too small for text (gpt2_tiny, the smoke test's) is refused at parse time
+    with the fix."""
+    from example import benchmark
+    from example import tokenizer as tokenizers
+
+    class CachedBPE:  # what "auto" would find on a machine with tiktoken's GPT-2 files
+        name, vocab_size = "gpt2", tokenizers.GPT2_VOCAB_SIZE
+
+        def encode(self, text: str) -> List[int]:
+            return [1000 + b for b in text.encode()]
+
+    monkeypatch.setattr(tokenizers, "_load_gpt2", CachedBPE)
+    args = benchmark.parse_args(["--model", "gpt2_bytes", "--seq_len", "16"])
+    assert all(int(t.max()) < 256 for t in benchmark.load_batches(args, 256).splits.values())
+    with pytest.raises(SystemExit):
+        benchmark.parse_args(["--model", "gpt2_tiny"])
+    assert benchmark.parse_args(["--model", "gpt2_tiny", "--data", "random"]).data == "random"
+
+
+def _benchmark_log(rank: int, world_size: int, out: str) -> str:
+    """What the benchmark writes to stderr when it goes to a log file (not a terminal)."""
+    log = io.StringIO()
+    with contextlib.redirect_stderr(log):
+        _benchmark(rank, world_size, out, ["--strategies", "ddp"])
+    return log.getvalue()
+
+
+def test_benchmark_draws_no_progress_frames_into_a_log(tmp_path) -> None:
+    for log in run_distributed(_benchmark_log, 2, str(tmp_path)):
+        assert "\r" not in log and "it/s" not in log, log[-500:]
 
 
 def _torch_fused(rank: int, world_size: int) -> Dict[str, Any]:

@@ -215,7 +215,8 @@ def run_phases(
     warm_up_libraries(env)
     phases = select_phases(args.strategies, args.compare, args.one_phase)
     total = sum(len(phase) for phase in phases) * (last_timed_index(args) + 2)
-    bar = tqdm(total=total, disable=not env.is_master, file=sys.stderr, dynamic_ncols=True)
+    show_bar = env.is_master and sys.stdout.isatty() and sys.stderr.isatty()  # no frames in logs
+    bar = tqdm(total=total, disable=not show_bar, file=sys.stderr, dynamic_ncols=True)
     results: Dict[str, List[dict]] = {}
     loads: List[float] = []
     for phase in phases:
