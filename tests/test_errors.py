@@ -265,10 +265,25 @@ def _lazy_module(strategy: str, dry_forward: bool) -> Callable[[int, int], None]
     return run
 
 
+def _wrap_twice(strategy: str) -> Callable[[int, int], None]:
+    """The same model wrapped again, by the same strategy (the next one is DDP's)."""
+
+    def run(rank: int, world_size: int) -> None:
+        from tiny_fsdp import core
+
+        model = make_model()
+        first, _ = build(strategy, model, None)  # alive: its parameters are its own
+        core.DDP(model)
+        del first
+
+    return run
+
+
 CASES: Dict[str, Callable[[int, int], None]] = {
     **{f"not-a-module-{s}": _wrap_a_function(s) for s in STRATEGIES},
     **{f"unsupported-{s}": _case_unsupported(s) for s in STRATEGIES},
     **{f"lazy-{s}": _lazy_module(s, dry_forward=False) for s in STRATEGIES},
+    **{f"wrapped-twice-{s}": _wrap_twice(s) for s in STRATEGIES},
     **{f"lazy-after-a-forward-{s}": _lazy_module(s, dry_forward=True) for s in STRATEGIES},
     **{
         f"pairing-{OPTIMIZER_OF[o]}-{m}": _case_pairing(OPTIMIZER_OF[o], m)
@@ -321,6 +336,11 @@ EXPECTED: Dict[str, Tuple[type, str]] = {
         for s in STRATEGIES
     },  # fmt: skip
     **{f"lazy-after-a-forward-{s}": (type(None), "") for s in STRATEGIES},
+    **{
+        f"wrapped-twice-{s}": (ValueError, rf"DDP: parameter '.*' already belongs to an? "
+                               rf"{WRAPPERS[s]} wrapper; wrap a model once")
+        for s in STRATEGIES
+    },  # fmt: skip
     **{f"unsupported-{s}": (UnsupportedModuleError, UNSUPPORTED) for s in ["zero3", "fsdp"]},
     **{f"unsupported-{s}": (type(None), "") for s in ["ddp", "zero1", "zero2"]},  # stay whole
     **{
