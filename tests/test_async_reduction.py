@@ -264,6 +264,33 @@ class _Mixed(nn.Module):
         self.head = nn.Linear(8, 2)
 
 
+def _traffic_by_unit(rank: int, world_size: int) -> Dict[str, Any]:
+    """The collectives (calls, bytes per kind) of one FSDP step per ``unit`` choice."""
+    from tiny_fsdp.core import comm
+
+    traffic = {}
+    for unit in ("default", "blocks", "layer"):
+        model = make_model(0)
+        blocks = list(model.transformer.h)
+        kw = {"default": {}, "blocks": {"unit": blocks}, "layer": {"unit": "layer"}}[unit]
+        wrapped = FSDP(model, **kw)
+        x, y = global_batch(0, 2 * world_size, 8, 67)
+        comm.LEDGER.reset()
+        lm_loss(
+            wrapped(local_slice(x, rank, world_size)), local_slice(y, rank, world_size)
+        ).backward()
+        traffic[unit] = (dict(comm.LEDGER.calls), dict(comm.LEDGER.payload_bytes))
+    return traffic
+
+
+def test_fsdp_gathers_a_block_at_a_time_by_default() -> None:
+    """``FSDP(model)`` with no ``unit``: one unit per repeated block (issue #17), the same
+    collectives as naming the blocks, fewer than a unit per layer."""
+    for traffic in run_distributed(_traffic_by_unit, 2):
+        assert traffic["default"] == traffic["blocks"]
+        assert traffic["default"][0]["all_gather"] < traffic["layer"][0]["all_gather"]
+
+
 def test_auto_unit_picks_the_repeated_blocks_else_every_layer() -> None:
     gpt = convert_module(make_model(0))
     names = [name for name, _ in unit_layers(gpt, "auto")]
