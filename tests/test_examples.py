@@ -136,6 +136,34 @@ def test_the_trainer_saves_at_the_end_and_resumes_bit_for_bit(strategy, sharded,
         assert len(whole) == 3 and first == whole[:2] and rest == whole[2:], (whole, first, rest)
 
 
+BF16 = "--precision bf16 --grad_ckpt"
+
+
+def _hf_llama_everywhere(rank: int, world_size: int, argv: List[str]) -> dict:
+    with as_a_launched_job():
+        return {
+            (strategy, flags): trainer.main(strategy, [*argv, *flags.split()])
+            for strategy in ["ddp", "zero1", "zero2", "zero3", "fsdp"]
+            for flags in ["", BF16]
+        }
+
+
+def test_a_transformers_model_trains_with_every_strategy_and_the_same_flags(common):
+    """``--model hf:llama`` (a ``transformers`` model used as it is, or through the generic
+    path) with every strategy, also with ``--precision bf16 --grad_ckpt``: fp32 as one device
+    with the global batch; bf16 as DDP in bf16, and near fp32 (measured 2.5e-4: bf16 compute)."""
+    pytest.importorskip("transformers")
+    argv = [*common, "--model", "hf:llama", "--steps", "2", "--seq_len", "16"]
+    single = trainer.main("single_device", [*argv, "--batch_size", "4"])
+    for runs in run_distributed(_hf_llama_everywhere, 2, [*argv, "--batch_size", "2"]):
+        for (strategy, flags), losses in runs.items():
+            assert len(losses) == 2, (strategy, flags)
+            want = runs["ddp", BF16] if flags else single
+            for ours, ref, fp32 in zip(losses, want, single):
+                assert abs(ours - ref) <= PARITY_LOSS_ATOL, (strategy, flags, losses, want)
+                assert abs(ours - fp32) <= 2e-3, (strategy, flags, losses, single)
+
+
 def test_fsdp_hsdp_across_two_torchrun_nodes_of_two_ranks(common, single_device_losses, tmp_path):
     """``--hsdp 2`` on two torchrun "nodes" of 2 ranks (each node one shard group, [Note: hybrid
     sharding]), 1 sequence per rank: the global batch of the single-device run. Two steps: the
