@@ -158,6 +158,35 @@ def _zero3_parts_bytes(model: Zero3) -> int:
     return total
 
 
+def _reduction_kinds(rank: int, world_size: int) -> Dict[Tuple[str, bool], set]:
+    """Per (strategy, async_on): how its gradient reductions were issued in a traced step."""
+    from tiny_fsdp.trace import trace_step
+
+    issued = {}
+    for strategy in ("fsdp", "zero3"):
+        for async_on in (True, False):
+            model, opt = _build(strategy, world_size, enable_async_communication=async_on)
+            x, y = global_batch(0, 2 * world_size, 8, 67)
+            with trace_step(model, opt) as recorder:
+                lm_loss(
+                    model(local_slice(x, rank, world_size)), local_slice(y, rank, world_size)
+                ).backward()
+            comms = recorder.records(rank)["comms"]
+            reductions = [c for c in comms if c["kind"] in ("reduce_scatter", "reduce")]
+            issued[strategy, async_on] = {"async" if not c["sync"] else "sync" for c in reductions}
+    return issued
+
+
+def test_gradient_reductions_leave_the_critical_path_by_default() -> None:
+    """Issue #17: with overlap on, FSDP's reduce-scatters and ZeRO-3's reduces are issued
+    asynchronously (they travel while earlier layers' backward computes; finalize waits at
+    the end), and synchronously with it off."""
+    for issued in run_distributed(_reduction_kinds, 2):
+        for strategy in ("fsdp", "zero3"):
+            assert issued[strategy, True] == {"async"}, (strategy, issued)
+            assert issued[strategy, False] == {"sync"}, (strategy, issued)
+
+
 def test_reduction_buffers_in_flight_stay_within_the_stated_bound() -> None:
     run_distributed(_memory_bound, 2)
 
