@@ -166,7 +166,7 @@ def _wrap(
     fused: Optional[bool] = None,
     **kwargs: Any,
 ):
-    """(wrapped model, optimizer) for ``strategy``: "fsdp", "fsdp-block" or "zero3";
+    """(wrapped model, optimizer) for ``strategy``: "fsdp..." or "zero3";
     ``fused``: the optimizer's."""
     if strategy.startswith("fsdp"):
         from tiny_fsdp.core.fsdp import FSDP, FSDPAdamW
@@ -217,12 +217,13 @@ def _parity_worker(rank: int, world_size: int, names: List[str]) -> List[Tuple[s
     seen = []
     for name, (build, loss_fn, blocks) in _models(names).items():
         ref_losses, ref_state = _oracle(build, loss_fn, rank, world_size)
-        for strategy in ("fsdp", "fsdp-block", "zero3"):
+        for strategy in ("fsdp-layer", "fsdp-block", "zero3"):  # FSDP's default: per block
             for async_comm in (False, True):
                 what = f"{name} {strategy} async={async_comm} world={world_size}"
                 torch.manual_seed(0)
                 model = build()
-                kwargs = {"unit": blocks(model)} if strategy == "fsdp-block" else {}
+                units = {"fsdp-layer": "layer", "fsdp-block": blocks(model)}
+                kwargs = {"unit": units[strategy]} if strategy in units else {}
                 wrapped, optimizer = _wrap(strategy, model, world_size, async_comm, **kwargs)
                 losses = _train(wrapped, optimizer, loss_fn, rank, world_size)
                 # Every unit was resharded by the end of each backward, also those holding

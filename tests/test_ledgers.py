@@ -551,7 +551,7 @@ def _torch_fused(rank: int, world_size: int) -> Dict[str, Any]:
     from example.bench.pytorch import build_torch
     from tiny_fsdp.core.utils.dist import DistEnv
 
-    args = benchmark.parse_args(["--model", "gpt2_tiny", "--torch_fused"])
+    args = benchmark.parse_args(["--model", "gpt2_tiny", "--data", "random", "--torch_fused"])
     env = DistEnv(rank, rank, world_size, torch.device("cpu"))
     fused = {}
     for name in ("torch_ddp", "torch_zero", "torch_fsdp2"):
