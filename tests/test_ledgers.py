@@ -511,6 +511,47 @@ def test_benchmark_compare_adds_each_counterpart_and_trace_writes_timelines(tmp_
     assert (trace / "strategies.png").stat().st_size > 0
 
 
+def _hf_wrapped_benchmark(rank: int, world_size: int, out: str) -> Any:
+    """The benchmark's ``fsdp`` and ``fsdp_wrapped`` on ``hf:gpt2``, one measured round."""
+    from example import benchmark
+    from example.bench.hf_wrappers import HFConv1D
+    from example.models import model_spec
+    from tiny_fsdp.core.utils.dist import DistEnv
+
+    args = benchmark.parse_args(
+        ["--model", "hf:gpt2", "--steps", "1", "--warmup", "1", "--seq_len", "8", "--data"]
+        + ["random", "--out", out, "--strategies", "fsdp,fsdp_wrapped", "--one_phase"]
+    )
+    spec = model_spec(args.model)
+
+    def make() -> torch.nn.Module:
+        torch.manual_seed(args.seed)
+        return spec.make()
+
+    env = DistEnv(rank, rank, world_size, torch.device("cpu"))
+    batches = benchmark.load_batches(args, spec.vocab_size)
+    calls, callback = [], HFConv1D.forward_callback  # the registered wrapper computing
+    HFConv1D.forward_callback = lambda self, *a: calls.append(1) or callback(self, *a)
+    try:
+        results, _ = benchmark.run_phases(args, env, batches, make)
+    finally:
+        HFConv1D.forward_callback = callback
+    if rank == 0:
+        rows = benchmark.summarize(results, 2 * 8 * world_size, {}, benchmark.floors(args))
+        return rows, len(calls)
+
+
+def test_benchmark_fsdp_wrapped_runs_transformers_conv1d_through_a_registered_wrapper(tmp_path):
+    """``fsdp_wrapped``: HF GPT-2's ``Conv1D`` through a registered wrapper (the explicit path)
+    instead of the generic one; the same model, data and collectives, the same losses."""
+    pytest.importorskip("transformers")
+    rows, wrapper_calls = run_distributed(_hf_wrapped_benchmark, 2, str(tmp_path))[0]
+    assert list(rows) == ["fsdp", "fsdp_wrapped"] and wrapper_calls > 0
+    generic, wrapped = rows["fsdp"], rows["fsdp_wrapped"]
+    assert wrapped["comm"] == generic["comm"]
+    assert wrapped["losses"] == pytest.approx(generic["losses"], abs=1e-5)  # float32 order
+
+
 def test_benchmark_reads_the_default_text_with_ids_its_model_embeds(monkeypatch) -> None:
     """As the trainer: where GPT-2's BPE is cached, a model of byte vocabulary still reads
     bytes; a preset too small for text (gpt2_tiny, the smoke test's) is refused at parse time
