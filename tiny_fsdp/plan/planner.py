@@ -28,7 +28,7 @@ is the global batch (all ranks) over it; ``fits`` is ``peak_bytes <= gpu_memory`
 """
 
 from dataclasses import asdict, dataclass
-from typing import Dict, List, Optional, Sequence, Tuple, Union
+from typing import Dict, List, Mapping, Optional, Sequence, Tuple, Union
 
 import torch
 from torch import nn
@@ -142,7 +142,7 @@ def plan_model(
     grad_ckpt: bool = False,
     gpu_memory: Optional[float] = None,
     hsdp_replicas: Optional[int] = None,
-    example_input=None,
+    example_input: Union[torch.Tensor, Mapping[str, torch.Tensor], None] = None,
 ) -> Dict[str, Prediction]:
     """``plan`` for an ``nn.Module`` (on ``meta`` is best): its layers, units and ZeRO-3
     partition table are read from it, its activations from one forward on ``meta`` of
