@@ -304,7 +304,16 @@ def test_the_installed_planner_plans_the_hf_presets_outside_the_repository(tmp_p
     repository on the path, ``python -m tiny_fsdp.plan --model hf:llama`` plans."""
     pytest.importorskip("transformers")
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
-    cmd = [sys.executable, "-m", "tiny_fsdp.plan", "--model", "hf:llama", "--json"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "tiny_fsdp.plan",
+        "--model",
+        "hf:llama",
+        "--seq_len",
+        "64",
+        "--json",
+    ]
     done = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
     assert list(json.loads(done.stdout)) == list(STRATEGIES)
@@ -390,6 +399,9 @@ def test_the_cli_plans_gradient_checkpointing_of_a_transformers_model():
     full, ckpt = (json.loads(main(args + extra)) for extra in ([], ["--grad_ckpt"]))
     for strategy in STRATEGIES:
         assert ckpt[strategy]["peak_bytes"] < full[strategy]["peak_bytes"]
+    # As for our GPT-2 presets: no sequence longer than the model's positions (256).
+    with pytest.raises(SystemExit, match="--seq_len 1024 > 256 positions of hf:gpt2"):
+        main(["--model", "hf:gpt2", "--seq_len", "1024"])
 
 
 class _AttentionLM(nn.Module):

@@ -57,7 +57,9 @@ def _model(args):
         config = config_for_count(args.num_params, args.n_layer, args.vocab_size, args.seq_len)
         name = f"{args.num_params / 1e6:,.0f} M parameters as GPT-2 ({config})"
     elif args.model in HF_PRESETS:
-        make, _, _ = hf_preset(args.model)
+        make, _, block_size = hf_preset(args.model)
+        if args.seq_len > block_size:
+            raise SystemExit(f"--seq_len {args.seq_len} > {block_size} positions of {args.model}")
         with torch.device("meta"):
             module = make()
         tokens = torch.zeros(args.batch_size, args.seq_len, dtype=torch.long)
