@@ -442,9 +442,9 @@ def test_plan_model_counts_attention_as_the_device_s_fused_kernel_keeps_it():
 
 
 def test_plan_model_takes_the_forward_s_keyword_arguments_or_says_what_to_pass():
-    """An input that is not token ids is given as the example (a tensor or the forward's keyword
-    arguments); a model that refuses token ids and has no example is a clear error, not
-    activations of 0."""
+    """An input that is not token ids is given as the example (a tensor, (B, T) ids or (B, T, C)
+    features, or the forward's keyword arguments); a model that refuses token ids and has no
+    example is a clear error, not activations of 0."""
     from tests.zoo import ZooLM
     from tiny_fsdp.plan import plan_model
 
@@ -452,6 +452,13 @@ def test_plan_model_takes_the_forward_s_keyword_arguments_or_says_what_to_pass()
     ids = torch.zeros(2, 16, dtype=torch.long)
     by_name = plan_model(model, "a100_sxm", 4, 2, 16, example_input={"idx": ids})
     assert by_name == plan_model(model, "a100_sxm", 4, 2, 16)
+    # Features (B, T, C) instead of ids: B T tokens of C values each.
+    features = nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 8))
+    x = torch.randn(2, 16, 8)
+    params = {p.untyped_storage().data_ptr() for p in features.parameters()}
+    real = _saved_bytes(lambda: F.log_softmax(features(x), -1).sum(), params)
+    plans = plan_model(features, "a100_sxm", 4, 2, 16, example_input=x)
+    assert plans["ddp"].activation_bytes == real
     conv = nn.Sequential(nn.Conv2d(3, 8, 3), nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(8, 2))
     with pytest.raises(ValueError, match=r"token ids of shape \(2, 16\).*Pass example_input="):
         plan_model(conv, "a100_sxm", 4, 2, 16)

@@ -200,11 +200,11 @@ def module_costs(
     device_type: str = "cuda",
 ) -> ModelCosts:
     """``ModelCosts`` of any module. A ``GPT2Model`` uses its config; another model's
-    activations come from one forward on ``meta`` of ``example_input``: ``(B, T)`` token ids,
-    or the forward's keyword arguments (``{"input_ids": ..., "decoder_input_ids": ...}``) whose
-    first is ``(B, T)``; divided by B T per token, as ``device_type``'s attention kernels keep
-    them ([Note: model costs], [Note: attention on meta]). Without an input they are unknown
-    (0)."""
+    activations come from one forward on ``meta`` of ``example_input``: ``(B, T)`` token ids or
+    ``(B, T, C)`` features, or the forward's keyword arguments (``{"input_ids": ...,
+    "decoder_input_ids": ...}``) whose first is such; divided by B T per token, as
+    ``device_type``'s attention kernels keep them ([Note: model costs], [Note: attention on
+    meta]). Without an input they are unknown (0)."""
     name = name or type(model).__name__
     config = getattr(model, "config", None)
     if isinstance(model, GPT2Model) and isinstance(config, GPTConfig):
@@ -216,7 +216,8 @@ def module_costs(
         saved = measure_forward(model, example_input, device_type)
         inputs = example_input.values() if isinstance(example_input, Mapping) else [example_input]
         first = next(iter(inputs))
-        tokens, seq_len = first.numel(), (first.shape[-1] if first.dim() else 1)
+        batch, seq_len = (tuple(first.shape[:2]) + (1, 1))[:2]  # (B, T) ids or (B, T, C) features
+        tokens = batch * seq_len
         act, block = (tuple(x / tokens for x in pair) for pair in (saved.total, saved.block))
         kept = None if saved.kept is None else tuple(x / tokens for x in saved.kept)
         # Matrix products of no layer's own weight (attention, a tied head), as attention's
