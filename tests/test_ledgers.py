@@ -424,20 +424,29 @@ def test_estimator_cli_prints_every_strategy(capsys: pytest.CaptureFixture) -> N
 # ------------------------------------------------------------------ benchmark smoke test
 
 
-def _benchmark(rank: int, world_size: int, out: str, extra: Sequence[str] = ()) -> Any:
+def _benchmark(
+    rank: int, world_size: int, out: str, extra: Sequence[str] = (), model: str = "gpt2_tiny"
+) -> Any:
     """``example/benchmark.py`` minus torchrun: the build's step (the one warm-up round), 1
     measured round (a settling step, then the timed one) and the probe step."""
     from example import benchmark
+    from example.models import model_spec
     from tiny_fsdp.core.utils.dist import DistEnv
 
     args = benchmark.parse_args(
-        ["--model", "gpt2_tiny", "--steps", "1", "--warmup", "1", "--seq_len", "8"]
+        ["--model", model, "--steps", "1", "--warmup", "1", "--seq_len", "8"]
         + ["--data", "random", "--out", out, *extra]
     )
+    spec = model_spec(model)
+
+    def make() -> torch.nn.Module:
+        torch.manual_seed(args.seed)  # as the benchmark's main: the same weights everywhere
+        return spec.make()
+
     env = DistEnv(rank, rank, world_size, torch.device("cpu"))
-    batches = benchmark.load_batches(args, make_model().config.vocab_size)
+    batches = benchmark.load_batches(args, spec.vocab_size)
     traces: Dict[str, Any] = {}
-    results, _ = benchmark.run_phases(args, env, batches, lambda: make_model(args.seed), traces)
+    results, _ = benchmark.run_phases(args, env, batches, make, traces)
     if traces:  # --trace: as the benchmark's main, every strategy's step on one time axis
         from tiny_fsdp.trace.plot import plot_strategies
 
@@ -445,7 +454,7 @@ def _benchmark(rank: int, world_size: int, out: str, extra: Sequence[str] = ()) 
     if rank != 0:
         return None
     with torch.device("meta"):
-        estimates = estimate_model(make_model(), world_size)
+        estimates = estimate_model(spec.make(), world_size)
     predicted = {k: max(r.model_states for r in v) for k, v in estimates.items()}
     rows = benchmark.summarize(results, 2 * 8 * world_size, predicted, benchmark.floors(args))
     table = benchmark.markdown_table(rows) + "\n" + benchmark.ratio_lines(rows)
@@ -512,33 +521,18 @@ def test_benchmark_compare_adds_each_counterpart_and_trace_writes_timelines(tmp_
 
 
 def _hf_wrapped_benchmark(rank: int, world_size: int, out: str) -> Any:
-    """The benchmark's ``fsdp`` and ``fsdp_wrapped`` on ``hf:gpt2``, one measured round."""
-    from example import benchmark
+    """The benchmark's ``fsdp`` and ``fsdp_wrapped`` on ``hf:gpt2``; the rows and how often the
+    registered ``Conv1D`` wrapper computed."""
     from example.bench.hf_wrappers import HFConv1D
-    from example.models import model_spec
-    from tiny_fsdp.core.utils.dist import DistEnv
 
-    args = benchmark.parse_args(
-        ["--model", "hf:gpt2", "--steps", "1", "--warmup", "1", "--seq_len", "8", "--data"]
-        + ["random", "--out", out, "--strategies", "fsdp,fsdp_wrapped", "--one_phase"]
-    )
-    spec = model_spec(args.model)
-
-    def make() -> torch.nn.Module:
-        torch.manual_seed(args.seed)
-        return spec.make()
-
-    env = DistEnv(rank, rank, world_size, torch.device("cpu"))
-    batches = benchmark.load_batches(args, spec.vocab_size)
-    calls, callback = [], HFConv1D.forward_callback  # the registered wrapper computing
+    calls, callback = [], HFConv1D.forward_callback
     HFConv1D.forward_callback = lambda self, *a: calls.append(1) or callback(self, *a)
     try:
-        results, _ = benchmark.run_phases(args, env, batches, make)
+        extra = ["--strategies", "fsdp,fsdp_wrapped", "--one_phase"]
+        report = _benchmark(rank, world_size, out, extra, model="hf:gpt2")
     finally:
         HFConv1D.forward_callback = callback
-    if rank == 0:
-        rows = benchmark.summarize(results, 2 * 8 * world_size, {}, benchmark.floors(args))
-        return rows, len(calls)
+    return report and (report[0], len(calls))
 
 
 def test_benchmark_fsdp_wrapped_runs_transformers_conv1d_through_a_registered_wrapper(tmp_path):
