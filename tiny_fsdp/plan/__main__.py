@@ -22,8 +22,8 @@ from tiny_fsdp.estimate import OPTIMIZERS, PRECISIONS, estimate_model
 from tiny_fsdp.models.gpt2 import GPT2Model, GPTConfig, GPTConfigs
 from tiny_fsdp.models.hf_presets import HF_PRESETS, hf_preset
 from tiny_fsdp.plan.calibration import load_calibration, preset_names, save_calibration
-from tiny_fsdp.plan.model_costs import gpt2_costs, module_costs
-from tiny_fsdp.plan.planner import Prediction, plan
+from tiny_fsdp.plan.model_costs import gpt2_costs
+from tiny_fsdp.plan.planner import Prediction, batch_costs, device_type, plan
 
 _UNITS = {"": 1, "b": 1, "kb": 1e3, "mb": 1e6, "gb": 1e9, "tb": 1e12, "kib": 2**10,
           "mib": 2**20, "gib": 2**30, "tib": 2**40}  # fmt: skip
@@ -47,8 +47,9 @@ def config_for_count(num_params: float, n_layer: int, vocab_size: int, seq_len: 
                      n_embd=n_embd)  # fmt: skip
 
 
-def _model(args):
-    """``(ModelCosts, per-rank model states or None)`` of the model the arguments name."""
+def _model(args, device: str):
+    """``(ModelCosts, per-rank model states or None)`` of the model the arguments name, its
+    activations as ``device``'s kernels keep them."""
     if args.config is not None:
         with open(args.config) as f:
             config = GPTConfig(**json.load(f))
@@ -62,8 +63,7 @@ def _model(args):
             raise SystemExit(f"--seq_len {args.seq_len} > {block_size} positions of {args.model}")
         with torch.device("meta"):
             module = make()
-        tokens = torch.zeros(args.batch_size, args.seq_len, dtype=torch.long)
-        costs = module_costs(module, tokens, args.model)
+        costs = batch_costs(module, args.batch_size, args.seq_len, device, name=args.model)
         return costs, estimate_model(module, args.world_size, args.precision, args.optimizer)
     else:
         config, name = GPTConfigs.get(args.model), args.model
@@ -122,7 +122,8 @@ def main(argv: Optional[Sequence[str]] = None) -> str:
     parser.add_argument("--calibrate", default=None, metavar="FILE", help="measure, write FILE")
     parser.add_argument("--calibrate_world_sizes", type=int, nargs="+", default=[1, 2])
     args = parser.parse_args(argv)
-    costs, states = _model(args)
+    calibration = None if args.calibrate is not None else load_calibration(args.calibration)
+    costs, states = _model(args, device_type(calibration))
     shape = costs.calibration_shape(args.batch_size * args.seq_len)
     if args.calibrate is not None:
         from tiny_fsdp.plan.measure import calibrate
@@ -132,7 +133,6 @@ def main(argv: Optional[Sequence[str]] = None) -> str:
         text = f"wrote {args.calibrate}:\n{json.dumps(calibration.to_dict(), indent=2)}"
         print(text)
         return text
-    calibration = load_calibration(args.calibration)
     if args.inter_node_bandwidth is not None:
         calibration.inter_node_bandwidth_bytes_per_s = args.inter_node_bandwidth * 1e9
     plans = plan(

@@ -149,20 +149,7 @@ def plan_model(
     ``example_input``, by default token ids of the planned batch, ``(batch_size, seq_len)``
     ([Note: model costs])."""
     calibration = _calibration(calibration)
-    tokens = torch.zeros(batch_size, seq_len, dtype=torch.long)
-    device_type = "cpu" if calibration.backend == "gloo" else "cuda"
-    try:
-        example = tokens if example_input is None else example_input
-        costs = module_costs(model, example, device_type=device_type)
-    except Exception as exc:
-        if example_input is not None:
-            raise
-        raise ValueError(
-            f"plan_model measures the activations of {type(model).__name__} with one forward "
-            f"on meta of token ids of shape ({batch_size}, {seq_len}), which failed "
-            f"({type(exc).__name__}: {exc}). Pass example_input=<the input of one batch>, a "
-            "tensor or the forward's keyword arguments (a dict)."
-        ) from exc
+    costs = batch_costs(model, batch_size, seq_len, device_type(calibration), example_input)
     states = estimate_model(model, world_size, precision, optimizer)
     return plan(
         costs, calibration, world_size, batch_size, seq_len, precision, optimizer, grad_ckpt,
@@ -180,3 +167,35 @@ def _calibration(calibration: Union[Calibration, str]) -> Calibration:
             f"{type(calibration).__name__}"
         )
     return calibration
+
+
+def device_type(calibration: Optional[Calibration]) -> str:
+    """The device whose kernels ``calibration`` measured (gloo's: the CPU); None: this one."""
+    if calibration is None:
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    return "cpu" if calibration.backend == "gloo" else "cuda"
+
+
+def batch_costs(
+    model: nn.Module,
+    batch_size: int,
+    seq_len: int,
+    device: str = "cuda",
+    example_input: Union[torch.Tensor, Mapping[str, torch.Tensor], None] = None,
+    name: Optional[str] = None,
+) -> ModelCosts:
+    """``module_costs`` measured on one batch: ``example_input``, by default token ids of shape
+    ``(batch_size, seq_len)``; a model that takes no token ids says what to pass."""
+    tokens = torch.zeros(batch_size, seq_len, dtype=torch.long)
+    example = tokens if example_input is None else example_input
+    try:
+        return module_costs(model, example, name, device_type=device)
+    except Exception as exc:
+        if example_input is not None:
+            raise
+        raise ValueError(
+            f"the planner measures the activations of {type(model).__name__} with one forward "
+            f"on meta of token ids of shape ({batch_size}, {seq_len}), which failed "
+            f"({type(exc).__name__}: {exc}). Pass example_input=<the input of one batch>, a "
+            "tensor or the forward's keyword arguments (a dict)."
+        ) from exc
