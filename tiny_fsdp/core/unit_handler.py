@@ -28,6 +28,7 @@ from torch import nn
 
 from tiny_fsdp.core.full_unit import FullUnit
 from tiny_fsdp.core.module.handler import ParamHandler, Params, TrainingPhase
+from tiny_fsdp.core.module.layer import strategy_code
 from tiny_fsdp.core.unit_grads import UnitGradients
 
 
@@ -40,15 +41,20 @@ class UnitHandler(ParamHandler):
         self.n_slots = len(module.param_names)
         module.param_handler = self
 
+    # Each entry is strategy code: it reads local parameters, its unit's and the units it
+    # prefetches ([Note: outside reads]).
     def fetch(self, module: nn.Module, phase: TrainingPhase) -> Params:
-        self.unit.state.fetch(self.unit, phase)  # the state is the strategy's prefetcher
-        return self.unit.hold(module)
+        with strategy_code():
+            self.unit.state.fetch(self.unit, phase)  # the state is the strategy's prefetcher
+            return self.unit.hold(module)
 
     def release(self, module: nn.Module, phase: TrainingPhase) -> None:
-        self.unit.release(module, phase)
+        with strategy_code():
+            self.unit.release(module, phase)
 
     def reduce_grads(self, module: nn.Module, grads: Params) -> Params:
-        self.grads.add(module, grads)
+        with strategy_code():
+            self.grads.add(module, grads)
         return (None,) * self.n_slots  # [Note: asynchronous reduction]
 
     def __repr__(self) -> str:

@@ -35,6 +35,7 @@ from torch import nn
 
 from tiny_fsdp.core.full_unit import FullUnit
 from tiny_fsdp.core.module.handler import TrainingPhase
+from tiny_fsdp.core.module.layer import strategy_code
 from tiny_fsdp.core.unit_grads import UnitGradients
 from tiny_fsdp.core.utils.tree import map_tensors
 
@@ -78,8 +79,9 @@ def _before(module: nn.Module, args: Tuple, kwargs: Dict[str, Any]) -> Tuple[Tup
         return args, kwargs
 
     def backward_done() -> None:
-        unit.module_done(TrainingPhase.BACKWARD)
-        grads.module_backward_done()
+        with strategy_code():
+            unit.module_done(TrainingPhase.BACKWARD)
+            grads.module_backward_done()
 
     done = iter(_BackwardDone.apply(backward_done, *found))
     return _needing_grad((args, kwargs), lambda _: next(done))
@@ -87,7 +89,8 @@ def _before(module: nn.Module, args: Tuple, kwargs: Dict[str, Any]) -> Tuple[Tup
 
 def _after(module: nn.Module, *_: Any) -> None:
     unit, _grads = getattr(module, WATCH_ATTR)
-    unit.module_done(TrainingPhase.FORWARD)
+    with strategy_code():  # it reads local parameters ([Note: outside reads])
+        unit.module_done(TrainingPhase.FORWARD)
 
 
 def _needing_grad(value: Any, fn: Callable[[torch.Tensor], Any]) -> Any:
