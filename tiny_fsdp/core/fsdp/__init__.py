@@ -1,7 +1,7 @@
 """Fully sharded data parallelism: ``FSDP`` wrapper and the optimizers over its shards."""
 
 from tiny_fsdp.core.fsdp.fsdp import FSDP
-from tiny_fsdp.core.wrapper import IncompatibleKeys
+from tiny_fsdp.core.state_dicts import IncompatibleKeys
 from tiny_fsdp.core.fsdp.mesh import MeshGroups, hsdp_mesh
 from tiny_fsdp.core.fsdp.optim import FSDPSGD, FSDPAdamW
 from tiny_fsdp.core.fsdp.sharded_param import ShardedParam, shard_info
