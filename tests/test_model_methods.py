@@ -305,3 +305,56 @@ def _recompute_worker(rank: int, world_size: int) -> List[str]:
 def test_gradient_checkpointing_switches_a_transformers_model_under_every_wrapper() -> None:
     pytest.importorskip("transformers")
     assert run_distributed(_recompute_worker, 2)[0] == list(STRATEGIES)
+
+
+class NanoGPTCount(Decoder):
+    """nanoGPT's count: every parameter, less the position embedding's if ``non_embedding``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.wpe = nn.Embedding(8, WIDTH)
+
+    def get_num_params(self, non_embedding: bool = True) -> int:
+        n_params = sum(p.numel() for p in self.parameters())
+        return n_params - self.wpe.weight.numel() if non_embedding else n_params
+
+
+def _count_worker(rank: int, world_size: int) -> List[str]:
+    from tests.zoo import hf_models
+    from tiny_fsdp.core.comm import LEDGER
+
+    calls = {
+        "nanogpt": lambda m: (m.get_num_params(), m.get_num_params(non_embedding=False)),
+        "hf gpt2": lambda m: (
+            m.num_parameters(),
+            m.num_parameters(only_trainable=True),
+            m.num_parameters(exclude_embeddings=True),
+        ),
+    }
+    builds = {"nanogpt": NanoGPTCount, "hf gpt2": hf_models()["gpt2"][0]}
+    seen = []
+    for name, make in builds.items():
+        torch.manual_seed(0)
+        plain = make()
+        if name == "hf gpt2":  # a frozen parameter, for only_trainable
+            plain.transformer.wpe.weight.requires_grad_(False)
+        want = calls[name](plain)
+        for strategy in STRATEGIES:
+            model, _ = build(strategy, copy.deepcopy(plain), None)
+            LEDGER.reset()
+            got = calls[name](model)
+            assert got == want, f"{name} {strategy}: {got}, one device {want}"
+            assert not LEDGER.calls, f"{name} {strategy}: the count communicated {LEDGER.calls}"
+            kinds = {type(p) for p in model.parameters()}
+            assert kinds == {nn.Parameter}, f"{name} {strategy}: parameters left as {kinds}"
+            seen.append(f"{name} {strategy}")
+    return seen
+
+
+def test_a_models_own_parameter_count_through_the_wrapper_is_one_devices() -> None:
+    """HuggingFace's ``num_parameters`` (all, trainable only, without embeddings) and nanoGPT's
+    ``get_num_params`` called on the wrapped model give the plain model's counts under every
+    strategy, with no collective ([Note: counting methods]); FSDP / ZeRO-3 gave a rank's part."""
+    pytest.importorskip("transformers")
+    for seen in run_distributed(_count_worker, 2):
+        assert len(seen) == 2 * len(STRATEGIES)

@@ -57,6 +57,7 @@ from torch import nn
 from tiny_fsdp.core import foreign_optimizers
 from tiny_fsdp.core.apply_whole import INIT_METHODS, apply_whole, whole_method
 from tiny_fsdp.core.clip import HeldGrads, clip_grad_norm_
+from tiny_fsdp.core.count_methods import COUNT_METHODS, full_shape_method
 from tiny_fsdp.core.local_state import LocalPiece, replicated_piece
 from tiny_fsdp.core.module import convert_module
 from tiny_fsdp.core.ownership import TAG_PREFIX, owner_of, tag_owner
@@ -207,7 +208,9 @@ class DataParallelWrapper(FullStateDicts, nn.Module):
         of the model that calls the model trains as a call through the wrapper does (the hooks
         are on the model's layers and parameters); one that initialises the parameters
         (``model.init_weights()``: ``INIT_METHODS``) runs with every parameter whole, as
-        ``apply`` ([Note: apply with whole parameters])."""
+        ``apply`` ([Note: apply with whole parameters]); one that counts them
+        (``model.num_parameters()``: ``COUNT_METHODS``) sees full shapes ([Note: counting
+        methods])."""
         try:
             return super().__getattr__(name)
         except AttributeError:
@@ -217,6 +220,8 @@ class DataParallelWrapper(FullStateDicts, nn.Module):
             value = getattr(module, name)
             if name in INIT_METHODS and callable(value):
                 return whole_method(self, value, name)
+            if name in COUNT_METHODS and callable(value):
+                return full_shape_method(self, value)  # [Note: counting methods]
             return value
 
     @contextlib.contextmanager

@@ -55,6 +55,7 @@ from tiny_fsdp.core.module.base import CallbackModule
 from tiny_fsdp.core.module.full_param import FullParam
 from tiny_fsdp.core.module.handler import TrainingPhase
 from tiny_fsdp.core.module.generic import reader_layer
+from tiny_fsdp.core.utils.tensor_queries import DTYPE_QUERIES, SHAPE_QUERIES, stand_in
 from tiny_fsdp.core.module.layer import (
     in_strategy_code,
     is_layer,
@@ -70,21 +71,7 @@ Owner = Tuple[nn.Module, int]  # (layer, slot in its param_names)
 _CALL_IMPL = nn.Module._call_impl.__code__  # the frame of a module's call, hooks and forward
 _T = torch.Tensor
 # A read of these properties gets the full tensor's answer, without fetching its values:
-_SHAPE_AND_DTYPE = {
-    _T.dtype.__get__,
-    _T.shape.__get__,
-    _T.ndim.__get__,
-    _T.itemsize.__get__,
-    _T.nbytes.__get__,
-    _T.size,
-    _T.dim,
-    _T.numel,
-    _T.nelement,
-    _T.__len__,
-    _T.element_size,
-    _T.is_floating_point,
-    _T.is_complex,
-}
+_SHAPE_AND_DTYPE = SHAPE_QUERIES | DTYPE_QUERIES
 # ... and these are the local parameter's own (the same as the full tensor's).
 _AS_LOCAL = {
     _T.device.__get__,
@@ -105,7 +92,7 @@ class OutsideReadWatch:
         self.found: List[Tuple[str, str]] = []  # (parameter path, reader path), for messages
         self._names = {id(m): path or "<root>" for path, m in root.named_modules()}
         self._slots: Optional[List[Tuple[nn.Module, int, str]]] = None  # see owners()
-        # id(local parameter) -> (it, its stand_in())
+        # id(local parameter) -> (it, its stand_in_of())
         self._stand_ins: Dict[int, Tuple[nn.Parameter, torch.Tensor]] = {}
 
     def __call__(self, forward: Callable[[], Any]) -> Any:
@@ -134,7 +121,7 @@ class OutsideReadWatch:
                 found.setdefault(id(local), (local, (layer, slot)))
         return found
 
-    def stand_in(self, local: nn.Parameter, owner: Owner) -> torch.Tensor:
+    def stand_in_of(self, local: nn.Parameter, owner: Owner) -> torch.Tensor:
         """A tensor of no storage with the dtype, shape and device ``local``'s layer computes
         with (fetched once: the owner's mixed precision decides the dtype)."""
         kept = self._stand_ins.get(id(local))
@@ -145,13 +132,12 @@ class OutsideReadWatch:
             fetched = layer.param_handler.fetch(layer, TrainingPhase.FORWARD)
             try:
                 full = fetched[slot]
-                stand_in = torch.empty((), dtype=full.dtype, device=full.device)
-                stand_in = stand_in.expand(full.shape)
+                made = stand_in(full.shape, full.dtype, full.device)
             finally:
                 del fetched
                 layer.param_handler.release(layer, TrainingPhase.FORWARD)
-        self._stand_ins[id(local)] = (local, stand_in)
-        return stand_in
+        self._stand_ins[id(local)] = (local, made)
+        return made
 
     def running_modules(self) -> List[nn.Module]:
         """The modules of ``root`` whose forward is running, innermost first."""
@@ -202,7 +188,7 @@ class _Reads:
         """``func`` with every local parameter among its arguments resolved for ``reader``;
         a property of the tensor (dtype, shape) is answered without fetching it."""
         if func in _SHAPE_AND_DTYPE and args and id(args[0]) in self.owners:
-            return func(self.watch.stand_in(*self.owners[id(args[0])]), *args[1:], **kwargs)
+            return func(self.watch.stand_in_of(*self.owners[id(args[0])]), *args[1:], **kwargs)
         if func in _AS_LOCAL:
             return func(*args, **kwargs)
         args = tuple(self._resolve(a, reader) for a in args)
