@@ -3,6 +3,7 @@
 from typing import Any, Tuple
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from tiny_fsdp.core.module.base import CallbackModule
@@ -20,9 +21,10 @@ class RMSNorm(CallbackModule, nn.RMSNorm):
     ``weight`` has ``normalized_shape`` (None when ``elementwise_affine=False``). With
     r = rsqrt(mean(x^2) + eps) and x_hat = x * r (means over the normalised dims), y = x_hat * w
     and the backward is grad_x = r * (g*w - x_hat * mean(g*w * x_hat)) and
-    grad_w = sum(g * x_hat) over the other dims. As in ``torch.nn``, bf16 / fp16 inputs are
-    computed in float32 and rounded once at the end, and ``eps=None`` means the machine epsilon
-    of that compute dtype (float32's for a bf16 input, not bf16's).
+    grad_w = sum(g * x_hat) over the other dims. The forward is torch's ``F.rms_norm`` (the
+    output bits of ``torch.nn`` on every device; r is recomputed in backward). The backward
+    computes bf16 / fp16 inputs in float32, as torch does, and ``eps=None`` means the machine
+    epsilon of that compute dtype (float32's for a bf16 input, not bf16's).
     """
 
     param_names = ("weight",)
@@ -32,18 +34,18 @@ class RMSNorm(CallbackModule, nn.RMSNorm):
 
     def forward_callback(self, ctx: Any, x: torch.Tensor) -> torch.Tensor:
         (weight,) = ctx.params
-        xc = x.to(_compute_dtype(x))
-        eps = self.eps if self.eps is not None else torch.finfo(xc.dtype).eps
-        rstd = torch.rsqrt(xc.pow(2).mean(self._dims(), keepdim=True) + eps)  # (..., 1, .., 1)
-        ctx.save_for_backward(x, rstd)
-        out = xc * rstd if weight is None else xc * rstd * weight.to(xc.dtype)
-        return out.to(x.dtype)  # one rounding, at the end
+        ctx.save_for_backward(x)
+        # torch.nn's own op (a fused kernel on CUDA): the same output bits on every device.
+        return F.rms_norm(x, self.normalized_shape, weight, self.eps)
 
     def backward_callback(self, ctx: Any, grad_output: torch.Tensor) -> Any:
-        x, rstd = ctx.saved_tensors
+        (x,) = ctx.saved_tensors
         (weight,) = ctx.params
         dims = self._dims()
-        x_hat = x.to(rstd.dtype) * rstd  # (..., *normalized_shape)
+        xc = x.to(_compute_dtype(x))
+        eps = self.eps if self.eps is not None else torch.finfo(xc.dtype).eps
+        rstd = torch.rsqrt(xc.pow(2).mean(dims, keepdim=True) + eps)  # (..., 1, .., 1)
+        x_hat = xc * rstd  # (..., *normalized_shape)
         g = grad_output.to(rstd.dtype)
         g_hat = g if weight is None else g * weight.to(rstd.dtype)  # gradient w.r.t. x_hat
         grad_x = grad_weight = None
