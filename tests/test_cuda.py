@@ -148,3 +148,110 @@ def test_ddp_takes_torch_device_ids_and_moves_inputs() -> None:
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA GPU")
     run_distributed(_ddp_takes_torch_device_ids, 1, backend="nccl")
+
+
+# ------------------------------------------------------------ several ranks on one GPU (gloo)
+
+GLOO_STEPS = 3
+
+
+def _one_gpu_models(device: torch.device) -> dict:
+    """name -> (build on ``device``, loss(model, x, y), vocab): our GPT-2 (registered layers) and
+    transformers' GPT-2 / Llama (the generic path), if installed."""
+    from example.model import GPTConfigs
+
+    models = {
+        "gpt2_tiny": (
+            lambda: make_model(0).to(device),
+            lambda m, x, y: lm_loss(m(x), y),
+            GPTConfigs.gpt2_tiny.vocab_size,
+        )
+    }
+    try:
+        from tests.zoo import hf_models
+    except ImportError:  # pragma: no cover - transformers missing
+        return models
+    for name in ("gpt2", "llama"):
+        build, loss, vocab = hf_models()[name]
+        models[f"hf {name}"] = (lambda build=build: build().to(device), loss, vocab)
+    return models
+
+
+def _wrap_defaults(strategy: str, model: nn.Module, world_size: int) -> Tuple[nn.Module, Any]:
+    """Every argument at its default, as a user wraps (ZeRO-3's table over ``world_size``)."""
+    from tiny_fsdp.core import zero
+    from tiny_fsdp.core.ddp import DDP, DDPAdamW
+    from tiny_fsdp.core.fsdp import FSDP, FSDPAdamW
+    from tiny_fsdp.core.zero3 import Zero3, Zero3AdamW, zero3_partition_tensors
+
+    if strategy == "ddp":
+        wrapped = DDP(model)
+        return wrapped, DDPAdamW(wrapped.named_parameters(), **HYPER)
+    if strategy in ("zero1", "zero2"):
+        stage = strategy[-1]
+        wrapped = getattr(zero, f"Zero{stage}")(model)
+        return wrapped, getattr(zero, f"Zero{stage}AdamW")(wrapped.named_parameters(), **HYPER)
+    if strategy == "zero3":
+        device = str(next(model.parameters()).device)
+        named = OrderedDict(model.named_parameters())
+        parts, _ = zero3_partition_tensors(named, [device] * world_size)
+        wrapped = Zero3(model, parts)
+        return wrapped, Zero3AdamW(
+            wrapped.module.named_parameters(), param_part_table=parts, **HYPER
+        )
+    wrapped = FSDP(model)
+    return wrapped, FSDPAdamW(wrapped.named_parameters(), **HYPER)
+
+
+def _train_on(model, optimizer, loss_fn, vocab, rank, world_size, device) -> list:
+    from tests.parity import local_slice
+
+    losses = []
+    for step in range(GLOO_STEPS):
+        x, y = global_batch(step, 2 * world_size, 8, vocab)
+        x, y = (local_slice(t, rank, world_size).to(device) for t in (x, y))
+        loss = loss_fn(model, x, y)
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        losses.append(loss.item())
+    return losses
+
+
+def _one_gpu_worker(rank: int, world_size: int, device_type: str) -> list:
+    """Every strategy (default arguments) against torch's DDP + torch.optim.AdamW, all ranks on
+    ``device_type``'s device 0 through gloo: losses every step, every tensor at the end."""
+    from tests.parity import assert_trains_alike
+
+    device = torch.device(device_type, 0) if device_type == "cuda" else torch.device("cpu")
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    seen = []
+    for name, (build, loss_fn, vocab) in _one_gpu_models(device).items():
+        torch.manual_seed(0)
+        oracle = nn.parallel.DistributedDataParallel(build())
+        oracle_opt = torch.optim.AdamW(oracle.parameters(), **HYPER)
+        want = _train_on(oracle, oracle_opt, loss_fn, vocab, rank, world_size, device)
+        want_state = {k: v.detach().float().cpu() for k, v in oracle.module.state_dict().items()}
+        for strategy in STRATEGIES:
+            torch.manual_seed(0)
+            model, opt = _wrap_defaults(strategy, build(), world_size)
+            got = _train_on(model, opt, loss_fn, vocab, rank, world_size, device)
+            state = {k: v.detach().float().cpu() for k, v in model.state_dict().items()}
+            # fp32 on both sides; only the summation order of the gradient differs (a
+            # collective's partial sums), so tests/parity.py's AdamW tolerances hold.
+            assert_trains_alike(f"{name} {strategy}", got, state, want, want_state)
+            seen.append(f"{name} {strategy}")
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    return seen
+
+
+def test_every_strategy_trains_as_torch_ddp_with_two_ranks_on_one_gpu_through_gloo() -> None:
+    """Several ranks on one GPU: NCCL refuses two ranks on one device, gloo carries CUDA
+    tensors (through host copies), so the multi-rank paths (shards, owners, buckets) run on
+    CUDA memory and CUDA streams with one GPU."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    for seen in run_distributed(_one_gpu_worker, 2, "cuda", timeout=300.0):
+        assert len(seen) == len(_one_gpu_models(torch.device("cpu"))) * len(STRATEGIES)

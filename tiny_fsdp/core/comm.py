@@ -70,7 +70,21 @@ def _reduce_scatter_tensor(
 ) -> Any:
     if gloo_collectives.uses_gloo(input, group):  # [Note: collectives on gloo]
         return gloo_collectives.reduce_scatter(output, input, op, group, async_op)
+    if gloo_collectives.cuda_on_gloo(input, group):
+        return gloo_collectives.reduce_scatter_by_all_reduce(output, input, op, group, async_op)
     return _torch_reduce_scatter(output, input, op=op, group=group, async_op=async_op)
+
+
+def _reduce_tensor(
+    tensor: torch.Tensor,
+    dst: int,
+    op: dist.ReduceOp = dist.ReduceOp.SUM,
+    group: Any = None,
+    async_op: bool = False,
+) -> Any:
+    if gloo_collectives.cuda_on_gloo(tensor, group):  # [Note: collectives on gloo]
+        return gloo_collectives.reduce_by_all_reduce(tensor, op, group, async_op)
+    return dist.reduce(tensor, dst=dst, op=op, group=group, async_op=async_op)
 
 
 _RING_FACTOR = {"all_reduce": 2.0}  # every other kind: 1.0
@@ -270,7 +284,7 @@ def reduce(
     return _issue(
         "reduce",
         tensor,
-        dist.reduce,
+        _reduce_tensor,
         tensor,
         dst=dst,
         op=op,

@@ -22,6 +22,13 @@ reduce-scatter once ([Note: communication ledger]). The returned ``GlooWorks`` w
 of the rank's works and then does the copy; every caller waits before it reads ``output`` (the
 asynchronous reductions, [Note: asynchronous reduction], and the streams' ``wait``). NCCL and
 other backends use their own all-gather and reduce-scatter.
+
+CUDA tensors on gloo (several ranks sharing one GPU, where NCCL refuses two ranks on a device):
+gloo has an all-reduce, a broadcast and an all-gather for them but no reduce and no
+reduce-scatter. Those two run as one all-reduce of the whole input (``input`` is scratch
+afterwards, every rank holds the sum), then the rank's own chunk is copied into ``output``: the
+same sums, N times the traffic of a reduce-scatter; the ledger still counts the logical
+collective. A testing and small-scale path, not a fast one.
 """
 
 import threading
@@ -56,6 +63,38 @@ class GlooWorks:
 def uses_gloo(tensor: torch.Tensor, group: Optional[dist.ProcessGroup]) -> bool:
     """Whether ``group`` is a gloo group and ``tensor`` on the CPU ([Note: collectives on gloo])."""
     return tensor.device.type == "cpu" and dist.get_backend(group) == "gloo"
+
+
+def cuda_on_gloo(tensor: torch.Tensor, group: Optional[dist.ProcessGroup]) -> bool:
+    """Whether ``tensor`` is on CUDA and ``group`` a gloo group, which reduces it only by an
+    all-reduce ([Note: collectives on gloo])."""
+    return tensor.device.type == "cuda" and dist.get_backend(group) == "gloo"
+
+
+def reduce_by_all_reduce(
+    tensor: torch.Tensor, op: dist.ReduceOp, group: Optional[dist.ProcessGroup], async_op: bool
+) -> Optional[GlooWorks]:
+    """A reduce of ``tensor`` as an all-reduce: the destination gets the reduction (so does
+    every other rank)."""
+    return _finish(
+        GlooWorks([dist.all_reduce(tensor, op=op, group=group, async_op=True)]), async_op
+    )
+
+
+def reduce_scatter_by_all_reduce(
+    output: torch.Tensor,
+    input: torch.Tensor,
+    op: dist.ReduceOp,
+    group: Optional[dist.ProcessGroup],
+    async_op: bool,
+) -> Optional[GlooWorks]:
+    """``output`` (k,) <- chunk ``rank`` of the all-reduced ``input`` (N * k,); ``input`` is
+    scratch afterwards."""
+    rank, k = dist.get_rank(group), output.numel()
+    own = input.view(-1, k)[rank]
+    work = dist.all_reduce(input, op=op, group=group, async_op=True)
+    copy = None if own.data_ptr() == output.data_ptr() else (output, own)
+    return _finish(GlooWorks([work], copy), async_op)
 
 
 def all_gather(

@@ -27,8 +27,8 @@ state]).
 
 [Note: wrap-time checks]
 Every strategy runs the same checks, here, before it touches the model; it only declares what it
-needs (class attributes): the ``collectives`` it issues on parameters (checked against the
-backend and each parameter's device), whether it materialises a model built on ``meta``,
+needs (class attributes): whether it materialises a model built on ``meta`` (each parameter's
+device is checked against the backend),
 whether it gives each parameter storage of its own (two distinct parameters sharing storage
 would be untied), and whether each rank updates only its local part (plain optimizers are then
 refused). The checks: the model is a module whose parameters have shapes (no lazy module before
@@ -93,8 +93,6 @@ class DataParallelWrapper(FullStateDicts, nn.Module):
     #: place (``convert_module``) at wrap time. Strategies that never fetch a parameter
     #: (``ReplicatedWrapper``) train the modules as they are ([Note: replicated strategies]).
     converts_layers: bool = True
-    #: Collectives the strategy issues on parameters (checked against backend and devices).
-    collectives: Tuple[str, ...] = ("broadcast", "all_reduce")
     #: The strategy initialises a model built on ``meta`` itself.
     materializes_meta: bool = False
     #: The strategy gives every parameter storage of its own (flat buffers, shards).
@@ -144,7 +142,7 @@ class DataParallelWrapper(FullStateDicts, nn.Module):
         check_not_wrapped(self.module, what)
         check_no_max_norm_embeddings(self.module, what)
         named = list(self.module.named_parameters())
-        check_backend_device(named, what, self.collectives, allow_meta=self.materializes_meta)
+        check_backend_device(named, what, allow_meta=self.materializes_meta)
         if self.separates_storage:
             check_no_shared_storage(self.module, what)
         check_same_model_on_all_ranks(self.module, what)

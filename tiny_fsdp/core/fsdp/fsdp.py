@@ -83,7 +83,6 @@ class FSDP(FetchingWrapper):
             only]).
     """
 
-    collectives = ("all_gather", "reduce_scatter", "broadcast")
     materializes_meta = True
     separates_storage = True
     updates_local_part = True

@@ -3,7 +3,7 @@
 import os
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Iterable, Optional, Sequence, Tuple
+from typing import Iterable, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -102,26 +102,19 @@ def set_collective_timeout(timeout_s: float, group: Optional[dist.ProcessGroup] 
     setter(timedelta(seconds=timeout_s), group)
 
 
-# Collectives that gloo only implements for CPU tensors (torch.distributed's backend table).
-_GLOO_CPU_ONLY = ("reduce_scatter", "reduce")
-
-
 def check_backend_device(
     named_tensors: Iterable[Tuple[str, torch.Tensor]],
     what: str,
-    collectives: Sequence[str] = ("all_reduce", "all_gather", "reduce_scatter", "broadcast"),
     allow_meta: bool = False,
     backend: Optional[str] = None,
 ) -> None:
     """Raise ValueError (saying how to fix it) if a tensor's device cannot be communicated.
 
-    ``collectives``: the kinds the strategy issues on these tensors; ``backend``: default the
-    default group's. NCCL moves CUDA tensors only; gloo moves CPU tensors, and CUDA tensors for
-    every kind but ``reduce_scatter`` / ``reduce``. ``meta`` tensors hold no data: only a
-    strategy that materialises them (``allow_meta``) accepts them.
+    ``backend``: default the default group's. NCCL moves CUDA tensors only; gloo moves CPU and
+    CUDA tensors (CUDA reductions through an all-reduce, [Note: collectives on gloo]). ``meta``
+    tensors hold no data: only a strategy that materialises them (``allow_meta``) accepts them.
     """
     backend = str(backend or dist.get_backend()).lower()
-    gloo_cpu_only = sorted(set(collectives) & set(_GLOO_CPU_ONLY))
     for name, tensor in named_tensors:
         kind = tensor.device.type
         if kind == "meta":
@@ -145,12 +138,6 @@ def check_backend_device(
             raise ValueError(
                 f"{what}: parameter '{name}' is on {tensor.device}, which gloo cannot "
                 "communicate. Move the model to CPU (or CUDA with an NCCL group)."
-            )
-        if backend == "gloo" and kind == "cuda" and gloo_cpu_only:
-            raise ValueError(
-                f"{what}: parameter '{name}' is on {tensor.device} but the process group uses "
-                f"gloo, which has no CUDA {' / '.join(gloo_cpu_only)}. Use an NCCL group for "
-                "CUDA models (init_distributed(device='cuda') picks it), or keep the model on CPU."
             )
 
 

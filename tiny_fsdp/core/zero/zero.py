@@ -78,7 +78,6 @@ class ZeroWrapper(ReplicatedWrapper):
     """
 
     grad_store: Optional[Type[ZeroGradStore]] = None
-    collectives = ("broadcast", "all_reduce")  # on gloo; NCCL: reduce-scatter / all-gather
     separates_storage = True  # the flat buffer
     updates_local_part = True
     local_params = "flat_buffer"  # [Note: optimizers of other libraries]

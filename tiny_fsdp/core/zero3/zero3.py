@@ -80,7 +80,6 @@ class Zero3(FetchingWrapper):
         registered_layers: as ``FSDP``'s (False: the generic path for every module).
     """
 
-    collectives = ("broadcast", "reduce")
     materializes_meta = True
     separates_storage = True
     updates_local_part = True
