@@ -22,6 +22,16 @@ hybrid sharding]) is also counted under it in ``group_calls`` / ``group_payload_
 totals above count every collective, labelled or not. A label names the role, not the process
 group: one group can play both roles (a 1 x N mesh's shard group is the default group).
 
+[Note: collectives on one rank]
+On a group of one rank every collective is the identity: an all-reduce, broadcast or reduce
+leaves the tensor as it is, an all-gather's output and a reduce-scatter's input are the rank's
+own tensor. Such a collective (a strategy at world size 1, HSDP's groups of one) is done here,
+by a copy where output and input are different tensors, without calling the backend. There the
+backend's call is all cost: FSDP training GPT-2 124M on one H200 with NCCL spent 0.11 ms of host
+time issuing each all-gather and about 0.6 ms more in the stream's wait on its work (cProfile,
+38 collectives a step), while the GPU waited for the host. It is counted in the ledger and
+recorded in a trace as any other; an asynchronous one returns a work that is already complete.
+
 [Note: leaving after collectives]
 A collective's work object holds its tensors, and the backend's worker thread (gloo's
 ``pt_gloo_runloop``) holds the work until shortly after it completes. Where that thread drops
@@ -162,6 +172,8 @@ def _issue(
                 "comm.broadcast_into for a parameter, or .contiguous())"
             )
     LEDGER.record(kind, payload, label)
+    if dist.get_world_size(group) == 1:  # [Note: collectives on one rank]
+        fn = functools.partial(_on_one_rank, kind)
     global _issued_any
     _issued_any = True
     rec = _trace.ACTIVE
@@ -172,6 +184,30 @@ def _issue(
     if payload.is_cuda:
         lane += f" stream {torch.cuda.current_stream(payload.device).stream_id}"
     return rec.collective(kind, payload.numel() * payload.element_size(), lane, async_op, call)
+
+
+class _DoneWork:
+    """The work of a collective done at once ([Note: collectives on one rank])."""
+
+    def wait(self, timeout: Any = None) -> bool:
+        return True
+
+    def is_completed(self) -> bool:
+        return True
+
+    def get_future(self) -> torch.futures.Future:
+        future: torch.futures.Future = torch.futures.Future()
+        future.set_result(None)
+        return future
+
+
+def _on_one_rank(kind: str, *args: Any, group: Any, async_op: bool, **kw: Any) -> Any:
+    """``kind`` on a group of one rank: the identity ([Note: collectives on one rank])."""
+    if kind in ("all_gather", "reduce_scatter"):  # args: (output, input)
+        output, input = args
+        if output.data_ptr() != input.data_ptr():
+            output.view(-1).copy_(input.view(-1))
+    return _DoneWork() if async_op else None
 
 
 def all_reduce(
