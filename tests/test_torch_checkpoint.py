@@ -17,6 +17,7 @@ from typing import Any, Dict, Tuple
 
 import pytest
 import torch
+import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.tensor import DTensor
@@ -224,12 +225,14 @@ def test_zero_optimizer_state_is_refused_on_every_rank() -> None:
 
 
 def _build_fsdp2(seed: int) -> Tuple[nn.Module, Any]:
+    from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
     torch.manual_seed(seed)
     model = Pair()
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))  # not CUDA's, where a GPU is seen
     for layer in (model.a, model.b, model):
-        fully_shard(layer)
+        fully_shard(layer, mesh=mesh)
     return model, torch.optim.AdamW(model.parameters(), lr=1e-2)
 
 

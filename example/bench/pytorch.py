@@ -44,9 +44,13 @@ def build_torch(
         return [{**g, "params": [p for _, p in g["params"]]} for g in named]
 
     if name == "torch_fsdp2":
+        from torch.distributed.device_mesh import init_device_mesh
+
+        # On this run's device (FSDP2's default mesh is CUDA's wherever a GPU is visible).
+        mesh = init_device_mesh(env.device.type, (env.world_size,))
         for block in repeated_blocks(plain) or []:
-            fully_shard(block)
-        fully_shard(plain)
+            fully_shard(block, mesh=mesh)
+        fully_shard(plain, mesh=mesh)
         optimizer = cls(groups(plain), **hyper)
         return plain, optimizer, optimizer
     ids = [env.device.index] if env.device.type == "cuda" else None
