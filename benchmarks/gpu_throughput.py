@@ -8,7 +8,10 @@ hooks and stream waits) against plain PyTorch under ``torch.autocast(bf16)`` and
 of their tokens/s. Ours use ``MixedPrecisionPolicy.from_name("bf16")`` and every other argument
 at its default. Per strategy: median step time of ``--steps`` after ``--warmup``, tokens/s and
 MFU (model FLOPs per token 6 N + 12 L T C, nanoGPT's estimate, over the GPU's dense bf16 peak:
-``--peak_tflops``, default 989 for an H100 SXM). A ``torch.profiler`` trace of one FSDP and one
+``--peak_tflops``, default 989 for an H100 SXM). The strategies step in turn, round after round
+(all built at once), and each ratio is the median of the per-round ratios, so a drift of the
+machine's speed falls on all of them; the peak is the strategy's own: its persistent tensors
+plus the most a step allocated above them. A ``torch.profiler`` trace of one FSDP and one
 ZeRO-3 step is written to ``--out``, and the CUDA streams on which NCCL kernels ran are printed
 (the collectives should not be on the compute stream).
 """
@@ -104,6 +107,7 @@ def main() -> None:
     env = init_distributed(args.device)
     on_gpu = env.device.type == "cuda"
     sync = torch.cuda.synchronize if on_gpu else (lambda: None)
+    allocated = (lambda: torch.cuda.memory_allocated(env.device)) if on_gpu else (lambda: 0)
     os.makedirs(args.out, exist_ok=True)
     config = getattr(GPTConfigs, args.model)
     names = [n for n in THEIRS + OURS if not args.only or n in args.only.split(",")]
@@ -112,41 +116,62 @@ def main() -> None:
     x, y = x.to(env.device), torch.roll(x, -1, 1).to(env.device)
     n_params = sum(p.numel() for p in GPT2Model(config).parameters())
     flops_per_token = 6 * n_params + 12 * config.n_layer * args.seq_len * config.n_embd
-    rows = []
+    # Every strategy is built at once and they step in turn, round by round, so that a drift
+    # of the machine's speed (clocks, other load on the host) falls on all of them alike.
+    runs: Dict[str, Any] = {}
     for name in names:
-        model, opt, autocast = build(name, args, env)
-        times = []
-        for i in range(args.warmup + args.steps):
+        before = allocated()
+        runs[name] = build(name, args, env)
+        sync()
+        runs[name] += (allocated() - before,)  # its model, gradients and optimizer state
+    times: Dict[str, list] = {name: [] for name in names}
+    transient: Dict[str, int] = {name: 0 for name in names}
+    for i in range(args.warmup + args.steps):
+        for name in names:
+            model, opt, autocast, _ = runs[name]
             sync()
+            before = allocated()
+            if on_gpu:
+                torch.cuda.reset_peak_memory_stats(env.device)
             start = time.perf_counter()
             step(model, opt, autocast, x, y)
             sync()
             if i >= args.warmup:
-                times.append(time.perf_counter() - start)
-        if name in ("fsdp", "zero3") and on_gpu:
+                times[name].append(time.perf_counter() - start)
+                if on_gpu:
+                    peak = torch.cuda.max_memory_allocated(env.device) - before
+                    transient[name] = max(transient[name], peak)
+    for name in ("fsdp", "zero3"):
+        if name in runs and on_gpu:
             from torch.profiler import ProfilerActivity, profile
 
+            model, opt, autocast, _ = runs[name]
             with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
                 step(model, opt, autocast, x, y)
                 torch.cuda.synchronize()
             path = os.path.join(args.out, f"trace_{name}.json")
             prof.export_chrome_trace(path)
             print(f"{name}: trace {path}; NCCL kernels per stream: {nccl_streams(path)}")
-        ms = statistics.median(times) * 1e3
-        tokens = args.batch_size * args.seq_len / (ms / 1e3)
-        mfu = tokens * flops_per_token / (args.peak_tflops * 1e12)
-        peak_gib = torch.cuda.max_memory_allocated(env.device) / 2**30 if on_gpu else 0.0
-        rows.append((name, ms, tokens, mfu, peak_gib))
-        del model, opt
-        if on_gpu:
-            torch.cuda.empty_cache()
-            torch.cuda.reset_peak_memory_stats(env.device)
-    base = {r[0]: r[2] for r in rows}
-    print(f"\n{args.model} bf16, batch {args.batch_size} x {args.seq_len}, 1 {env.device.type}")
+    ratios = {
+        base: {
+            name: statistics.median(b / t for t, b in zip(times[name], times[base]))
+            for name in names
+        }
+        for base in ("torch", "torch_fsdp2")
+        if base in names
+    }
+    print(
+        f"\n{args.model} bf16, batch {args.batch_size} x {args.seq_len}, 1 {env.device.type}, "
+        f"{args.steps} rounds (median; 'vs': median of per-round tokens/s ratios)"
+    )
     print("| strategy | ms/step | tokens/s | MFU | peak GiB | vs torch | vs FSDP2 |")
     print("|---|---|---|---|---|---|---|")
-    for name, ms, tokens, mfu, peak in rows:
-        vs = [f"{tokens / base[k]:.3f}" if k in base else "-" for k in ("torch", "torch_fsdp2")]
+    for name in names:
+        ms = statistics.median(times[name]) * 1e3
+        tokens = args.batch_size * args.seq_len / (ms / 1e3)
+        mfu = tokens * flops_per_token / (args.peak_tflops * 1e12)
+        peak = (runs[name][3] + transient[name]) / 2**30
+        vs = [f"{ratios[b][name]:.3f}" if b in ratios else "-" for b in ("torch", "torch_fsdp2")]
         print(f"| {name} | {ms:.1f} | {tokens:,.0f} | {mfu:.1%} | {peak:.2f} | {vs[0]} | {vs[1]} |")
 
 
