@@ -1,8 +1,11 @@
 #!/usr/bin/env bash
 # The GPU check in one command (needs one CUDA GPU; issue 17):
-#   1. every strategy's parity with PyTorch on CUDA, NCCL at world size 1 (pytest -m cuda);
+#   1. every strategy's parity with PyTorch on CUDA (pytest -m cuda): NCCL at world size 1, and
+#      2 ranks sharing the GPU through gloo;
 #   2. single-GPU throughput of GPT-2 124M in bf16, every strategy vs plain PyTorch and FSDP2,
-#      MFU printed, with profiler traces of an FSDP and a ZeRO-3 step in out/gpu/.
+#      MFU printed;
+#   3. a timeline of FSDP training steps on the GPU (out/gpu/trace/fsdp.png and .trace.json):
+#      a compute lane and one lane per CUDA stream a collective was issued on.
 # Extra arguments go to benchmarks/gpu_throughput.py (e.g. --batch_size 4 --peak_tflops 312).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -10,3 +13,5 @@ export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 python -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 'no CUDA GPU found')"
 python -m pytest -q -m cuda  # tests/test_cuda.py and the CUDA cases of tests/test_autocast.py
 torchrun --standalone --nproc_per_node=1 benchmarks/gpu_throughput.py "$@"
+torchrun --standalone --nproc_per_node=1 example/fsdp/train.py --model gpt2_mini --precision bf16 \
+    --steps 6 --batch_size 8 --seq_len 256 --log_every 2 --trace out/gpu/trace

@@ -2,8 +2,9 @@
 
     torchrun --standalone --nproc_per_node=1 benchmarks/gpu_throughput.py  # or benchmarks/gpu.sh
 
-World size 1 on NCCL, so what is measured is each strategy's own overhead (its gathers, copies,
-hooks and stream waits) against plain PyTorch under ``torch.autocast(bf16)`` and FSDP2
+World size 1 on NCCL, so what is measured is each strategy's own overhead (its copies, casts,
+hooks and bookkeeping; a collective on one rank is the identity, done without NCCL: [Note:
+collectives on one rank]) against plain PyTorch under ``torch.autocast(bf16)`` and FSDP2
 ``fully_shard`` per block with ``MixedPrecisionPolicy(bf16)``; the issue's target is within 5 %
 of their tokens/s. Ours use ``MixedPrecisionPolicy.from_name("bf16")`` and every other argument
 at its default. Per strategy: median step time of ``--steps`` after ``--warmup``, tokens/s and
@@ -11,19 +12,17 @@ MFU (model FLOPs per token 6 N + 12 L T C, nanoGPT's estimate, over the GPU's de
 ``--peak_tflops``, default 989 for an H100 SXM). The strategies step in turn, round after round
 (all built at once), and each ratio is the median of the per-round ratios, so a drift of the
 machine's speed falls on all of them; the peak is the strategy's own: its persistent tensors
-plus the most a step allocated above them. A ``torch.profiler`` trace of one FSDP and one
-ZeRO-3 step is written to ``--out``, and the CUDA streams on which NCCL kernels ran are printed
-(the collectives should not be on the compute stream).
+plus the most a step allocated above them. ``benchmarks/gpu.sh`` also writes a timeline of
+FSDP steps (``--trace``), whose communication lanes are named by the CUDA stream each collective
+was issued on.
 """
 
 import argparse
 import contextlib
-import json
 import os
 import statistics
 import sys
 import time
-from collections import Counter
 from typing import Any, Dict, Tuple
 
 import torch
@@ -47,7 +46,6 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--peak_tflops", type=float, default=989.0, help="dense bf16 peak of the GPU")
     p.add_argument("--only", default="", help="comma-separated subset")
-    p.add_argument("--out", default="out/gpu")
     p.add_argument("--device", default="cuda", help="cpu: a smoke test of this script only")
     args = p.parse_args()
     # What example/strategies.py reads: library defaults except the bf16 policy.
@@ -89,26 +87,12 @@ def step(model, opt, autocast, x: torch.Tensor, y: torch.Tensor) -> None:
     opt.zero_grad(set_to_none=True)
 
 
-def nccl_streams(trace_path: str) -> Dict[str, int]:
-    """Kernels whose name contains 'nccl', counted per CUDA stream, from a chrome trace."""
-    with open(trace_path) as f:
-        events = json.load(f).get("traceEvents", [])
-    return dict(
-        Counter(
-            f"stream {e.get('args', {}).get('stream')}"
-            for e in events
-            if e.get("cat") == "kernel" and "nccl" in e.get("name", "").lower()
-        )
-    )
-
-
 def main() -> None:
     args = parse_args()
     env = init_distributed(args.device)
     on_gpu = env.device.type == "cuda"
     sync = torch.cuda.synchronize if on_gpu else (lambda: None)
     allocated = (lambda: torch.cuda.memory_allocated(env.device)) if on_gpu else (lambda: 0)
-    os.makedirs(args.out, exist_ok=True)
     config = getattr(GPTConfigs, args.model)
     names = [n for n in THEIRS + OURS if not args.only or n in args.only.split(",")]
     g = torch.Generator().manual_seed(0)
@@ -141,17 +125,6 @@ def main() -> None:
                 if on_gpu:
                     peak = torch.cuda.max_memory_allocated(env.device) - before
                     transient[name] = max(transient[name], peak)
-    for name in ("fsdp", "zero3"):
-        if name in runs and on_gpu:
-            from torch.profiler import ProfilerActivity, profile
-
-            model, opt, autocast, _ = runs[name]
-            with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-                step(model, opt, autocast, x, y)
-                torch.cuda.synchronize()
-            path = os.path.join(args.out, f"trace_{name}.json")
-            prof.export_chrome_trace(path)
-            print(f"{name}: trace {path}; NCCL kernels per stream: {nccl_streams(path)}")
     ratios = {
         base: {
             name: statistics.median(b / t for t, b in zip(times[name], times[base]))

@@ -197,3 +197,26 @@ def test_fsdp_hsdp_across_two_torchrun_nodes_of_two_ranks(common, single_device_
     assert _losses(outs[1][0]) == [], outs[1][0]  # global ranks 2 and 3
     for ours, ref in zip(losses, single_device_losses):
         assert abs(ours - ref) <= LOSS_ATOL, (losses, single_device_losses)
+
+
+def test_the_gpu_throughput_benchmark_runs_every_strategy_on_the_cpu() -> None:
+    """``benchmarks/gpu_throughput.py --device cpu``: the GPU check's benchmark, its table a row
+    per strategy with tokens/s and both ratios (its GPU run is ``benchmarks/gpu.sh``)."""
+    script = os.path.join(ROOT, "benchmarks", "gpu_throughput.py")
+    args = ["--device", "cpu", "--model", "gpt2_tiny", "--batch_size", "2", "--seq_len", "16"]
+    cmd = [*_torchrun(1), script, *args, "--steps", "2", "--warmup", "1"]
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=ROOT)
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=180)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    rows = {
+        cells[0]: cells[1:]
+        for line in proc.stdout.splitlines()
+        if line.startswith("| ") and not line.startswith("| strategy")
+        for cells in [[c.strip() for c in line.strip("|").split("|")]]
+    }
+    names = ["torch", "torch_fsdp2", "single_device", "ddp", "zero1", "zero2", "zero3", "fsdp"]
+    assert list(rows) == names, proc.stdout
+    for name, (ms, tokens, _, _, vs_torch, vs_fsdp2) in rows.items():
+        assert float(ms) > 0 and float(tokens.replace(",", "")) > 0, (name, rows[name])
+        assert float(vs_torch) > 0 and float(vs_fsdp2) > 0, (name, rows[name])
+    assert rows["torch"][4] == "1.000" and rows["torch_fsdp2"][5] == "1.000"
