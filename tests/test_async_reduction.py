@@ -251,7 +251,7 @@ class _FakeBackend:
 def _fake_streams(rank: int, world_size: int) -> None:
     backends: List[_FakeBackend] = []
 
-    def fake_streams_for(device: torch.device) -> CommStreams:
+    def fake_streams_for(device: torch.device, communicates: bool = True) -> CommStreams:
         backends.append(_FakeBackend())
         return CudaStreams(backends[-1])
 
@@ -280,6 +280,33 @@ def _fake_streams(rank: int, world_size: int) -> None:
 
 def test_cuda_stream_ordering_with_a_fake_backend_changes_no_result() -> None:
     run_distributed(_fake_streams, 2)
+
+
+def _side_streams_asked(rank: int, world_size: int) -> Dict[str, bool]:
+    """Whether each sharded strategy asks for side streams (``streams_for``'s
+    ``communicates``)."""
+    asked: Dict[str, bool] = {}
+    real = streams.streams_for
+    for strategy in ("fsdp", "zero3"):
+
+        def record(device: torch.device, communicates: bool = True) -> CommStreams:
+            asked[strategy] = communicates
+            return real(device, communicates)
+
+        streams.streams_for = record
+        try:
+            _build(strategy, world_size)
+        finally:
+            streams.streams_for = real
+    return asked
+
+
+def test_side_streams_only_where_a_collective_reaches_another_rank() -> None:
+    """On one rank every collective is done at once ([Note: collectives on one rank]): no side
+    stream is asked for, whose events and switches would only cost host time on a GPU."""
+    assert run_distributed(_side_streams_asked, 1)[0] == {"fsdp": False, "zero3": False}
+    assert run_distributed(_side_streams_asked, 2)[0] == {"fsdp": True, "zero3": True}
+    assert not isinstance(streams.streams_for(torch.device("cuda"), False), CudaStreams)
 
 
 # ------------------------------------------------------------------------- unit="auto"

@@ -2,8 +2,10 @@
 
 Parity recipe of ``tests/parity.py`` on ``cuda:0``: a plain GPT-2 with ``torch.optim.AdamW`` is
 the reference; each strategy trains a copy for a few steps and its losses and final parameters
-must match. FSDP and ZeRO-3 must issue their collectives through side streams ([Note:
-communication streams]); the optimizers' update rule runs as multi-tensor kernels.
+must match. With several ranks (2 sharing the GPU through gloo) FSDP and ZeRO-3 issue their
+collectives through side streams ([Note: communication streams]); on one rank, where each
+collective is the identity, through none. The optimizers' update rule runs as multi-tensor
+kernels.
 ``benchmarks/gpu.sh`` runs every test marked ``cuda``, then the throughput check.
 """
 
@@ -56,9 +58,9 @@ def _parity_on_cuda(rank: int, world_size: int) -> None:
         ref = copy.deepcopy(reference)
         ref_opt = torch.optim.AdamW(ref.parameters(), **HYPER)
         model, opt = _wrap(strategy, copy.deepcopy(reference))
-        if strategy in ("zero3", "fsdp"):
-            runtime = model._runtime if strategy == "zero3" else model._state
-            assert isinstance(runtime.streams, CudaStreams), strategy
+        if strategy in ("zero3", "fsdp"):  # one rank: every collective is done at once, on
+            runtime = model._runtime if strategy == "zero3" else model._state  # no side stream
+            assert not isinstance(runtime.streams, CudaStreams), strategy
         for step in range(STEPS):
             x, y = (t.to(device) for t in global_batch(step, 2, 8, 67))
             losses = []
@@ -236,6 +238,12 @@ def _one_gpu_worker(rank: int, world_size: int, device_type: str) -> list:
         for strategy in STRATEGIES:
             torch.manual_seed(0)
             model, opt = _wrap_defaults(strategy, build(), world_size)
+            if strategy in ("zero3", "fsdp"):
+                from tiny_fsdp.core.streams import CudaStreams
+
+                runtime = model._runtime if strategy == "zero3" else model._state
+                on_side_streams = isinstance(runtime.streams, CudaStreams)
+                assert on_side_streams == (device.type == "cuda"), (name, strategy)
             got = _train_on(model, opt, loss_fn, vocab, rank, world_size, device)
             state = {k: v.detach().float().cpu() for k, v in model.state_dict().items()}
             # fp32 on both sides; only the summation order of the gradient differs (a

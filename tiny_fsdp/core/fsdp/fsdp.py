@@ -120,7 +120,8 @@ class FSDP(FetchingWrapper):
         )
         self.claim(self.module.parameters())  # meta parameters were replaced by new objects
         shard_device = next((p.device for p in self.module.parameters()), torch.device("cpu"))
-        self._state.use_streams(streams.streams_for(shard_device))
+        communicates = shard_size > 1 or groups.replicate_group is not None
+        self._state.use_streams(streams.streams_for(shard_device, communicates))
         self.build_units(self._state, unit, GatherUnit, ReduceScatterGrads)
 
     # A switch the handlers read during backward lives in the shared state.

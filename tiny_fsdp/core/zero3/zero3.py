@@ -126,7 +126,7 @@ class Zero3(FetchingWrapper):
         self.device = _choose_device(param_part_table, named, rank)  # move inputs here
         self._materialize(named, self.device, sync_module_states)
         self.claim(self.module.parameters())  # meta parameters were replaced by new objects
-        self._runtime.use_streams(streams.streams_for(self.device))
+        self._runtime.use_streams(streams.streams_for(self.device, dist.get_world_size() > 1))
         self.build_units(self._runtime, unit, BroadcastUnit, ReduceToOwnerGrads)
 
     def transient_bytes(self) -> Dict[str, int]:
