@@ -27,7 +27,8 @@ HYPER = dict(lr=1e-3, weight_decay=0.1)
 STEPS = 3
 
 
-def _wrap(strategy: str, model: nn.Module) -> Tuple[nn.Module, Any]:
+def _wrap(strategy: str, model: nn.Module, world_size: int) -> Tuple[nn.Module, Any]:
+    """Every argument at its default, as a user wraps (ZeRO-3's table over ``world_size``)."""
     from tiny_fsdp.core import zero
     from tiny_fsdp.core.ddp import DDP, DDPAdamW
     from tiny_fsdp.core.fsdp import FSDP, FSDPAdamW
@@ -41,10 +42,13 @@ def _wrap(strategy: str, model: nn.Module) -> Tuple[nn.Module, Any]:
         wrapped = getattr(zero, f"Zero{stage}")(model)
         return wrapped, getattr(zero, f"Zero{stage}AdamW")(wrapped.named_parameters(), **HYPER)
     if strategy == "zero3":
-        parts, _ = zero3_partition_tensors(OrderedDict(model.named_parameters()), ["cuda:0"])
+        device = str(next(model.parameters()).device)
+        named = OrderedDict(model.named_parameters())
+        parts, _ = zero3_partition_tensors(named, [device] * world_size)
         wrapped = Zero3(model, parts)
-        named = wrapped.module.named_parameters()
-        return wrapped, Zero3AdamW(named, param_part_table=parts, **HYPER)
+        return wrapped, Zero3AdamW(
+            wrapped.module.named_parameters(), param_part_table=parts, **HYPER
+        )
     wrapped = FSDP(model)
     return wrapped, FSDPAdamW(wrapped.named_parameters(), **HYPER)
 
@@ -57,7 +61,7 @@ def _parity_on_cuda(rank: int, world_size: int) -> None:
     for strategy in STRATEGIES:
         ref = copy.deepcopy(reference)
         ref_opt = torch.optim.AdamW(ref.parameters(), **HYPER)
-        model, opt = _wrap(strategy, copy.deepcopy(reference))
+        model, opt = _wrap(strategy, copy.deepcopy(reference), 1)
         if strategy in ("zero3", "fsdp"):  # one rank: every collective is done at once, on
             runtime = model._runtime if strategy == "zero3" else model._state  # no side stream
             assert not isinstance(runtime.streams, CudaStreams), strategy
@@ -179,32 +183,6 @@ def _one_gpu_models(device: torch.device) -> dict:
     return models
 
 
-def _wrap_defaults(strategy: str, model: nn.Module, world_size: int) -> Tuple[nn.Module, Any]:
-    """Every argument at its default, as a user wraps (ZeRO-3's table over ``world_size``)."""
-    from tiny_fsdp.core import zero
-    from tiny_fsdp.core.ddp import DDP, DDPAdamW
-    from tiny_fsdp.core.fsdp import FSDP, FSDPAdamW
-    from tiny_fsdp.core.zero3 import Zero3, Zero3AdamW, zero3_partition_tensors
-
-    if strategy == "ddp":
-        wrapped = DDP(model)
-        return wrapped, DDPAdamW(wrapped.named_parameters(), **HYPER)
-    if strategy in ("zero1", "zero2"):
-        stage = strategy[-1]
-        wrapped = getattr(zero, f"Zero{stage}")(model)
-        return wrapped, getattr(zero, f"Zero{stage}AdamW")(wrapped.named_parameters(), **HYPER)
-    if strategy == "zero3":
-        device = str(next(model.parameters()).device)
-        named = OrderedDict(model.named_parameters())
-        parts, _ = zero3_partition_tensors(named, [device] * world_size)
-        wrapped = Zero3(model, parts)
-        return wrapped, Zero3AdamW(
-            wrapped.module.named_parameters(), param_part_table=parts, **HYPER
-        )
-    wrapped = FSDP(model)
-    return wrapped, FSDPAdamW(wrapped.named_parameters(), **HYPER)
-
-
 def _train_on(model, optimizer, loss_fn, vocab, rank, world_size, device) -> list:
     from tests.parity import local_slice
 
@@ -237,7 +215,7 @@ def _one_gpu_worker(rank: int, world_size: int, device_type: str) -> list:
         want_state = {k: v.detach().float().cpu() for k, v in oracle.module.state_dict().items()}
         for strategy in STRATEGIES:
             torch.manual_seed(0)
-            model, opt = _wrap_defaults(strategy, build(), world_size)
+            model, opt = _wrap(strategy, build(), world_size)
             if strategy in ("zero3", "fsdp"):
                 from tiny_fsdp.core.streams import CudaStreams
 
