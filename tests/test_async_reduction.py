@@ -411,3 +411,32 @@ def test_finalize_sums_a_backwards_parts_then_accumulates_like_autograd() -> Non
     expected = torch.full((3,), 0.1) + ((parts[0] + parts[1]) + parts[2])
     assert torch.equal(param.grad, expected)
     assert reductions.stats.live_bytes == 0 and reductions.stats.peak_in_flight == 2
+
+
+def _cast_once_worker(rank: int, world_size: int) -> Dict[str, Tuple[int, int]]:
+    """(gradients delivered, distinct storages behind them) after a bf16 backward."""
+    from tiny_fsdp.core.precision import MixedPrecisionPolicy
+
+    seen = {}
+    for strategy in ("fsdp", "zero3"):
+        model, _ = _build(strategy, world_size, mixed_precision=MixedPrecisionPolicy())
+        x, y = global_batch(0, 2 * world_size, 8, model.module.config.vocab_size)
+        lm_loss(
+            model(local_slice(x, rank, world_size)), local_slice(y, rank, world_size)
+        ).backward()
+        grads = [p.grad for p in model.parameters() if p.grad is not None and p.grad.numel()]
+        assert all(g.dtype == torch.float32 for g in grads)  # the master weights' dtype
+        seen[strategy] = (len(grads), len({g.untyped_storage().data_ptr() for g in grads}))
+    return seen
+
+
+def test_a_reductions_output_is_cast_to_the_parameters_dtype_once() -> None:
+    """[Note: asynchronous reduction]: a bf16 reduction's output becomes fp32 ``.grad`` by one
+    cast of the whole output (its parts are views of the cast), not one cast per parameter:
+    a GPU launches a kernel for each. gpt2_tiny: FSDP's 3 units (2 blocks and the root) give 3
+    storages; ZeRO-3's 3 units give at most one per unit and owner."""
+    for per_rank in run_distributed(_cast_once_worker, 2):
+        grads, storages = per_rank["fsdp"]
+        assert grads > 20 and storages == 3, per_rank
+        grads, storages = per_rank["zero3"]
+        assert grads > 5 and storages <= 3, per_rank

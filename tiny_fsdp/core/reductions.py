@@ -9,13 +9,15 @@ delivered by ``finalize``, which the first ``launch`` of a backward queues on th
 (``queue_callback``): it runs once the backward's last node has run, before ``backward()``
 returns.
 
-``finalize`` waits for every reduction in issue order, then, per parameter and in issue order,
-casts each part to the parameter's dtype and sums the parts (a tied parameter reduced by two
-layers has two), and accumulates the sum into ``param.grad`` (``.grad = sum`` when there is none,
-else ``.grad += sum``). That is exactly what autograd did when the layers returned the parts (its
-input buffer sums a node's incoming gradients, then ``AccumulateGrad`` adds them), so results are
-bitwise the same as before, and the same with async communication on and off: off, each
-collective runs at once (``async_op=False``), in the same order, delivered by the same code.
+``finalize`` waits for every reduction in issue order, then, per parameter and in issue order, casts
+each part to the parameter's dtype (the reduction's whole output at once, one kernel, when the
+strategy names it: ``output``; each part is then a view of the cast) and sums the parts (a tied
+parameter reduced by two layers has two), and accumulates the sum into ``param.grad`` (``.grad =
+sum`` when there is none, else ``.grad += sum``). That is exactly what autograd did when the layers
+returned the parts (its input buffer sums a node's incoming gradients, then ``AccumulateGrad`` adds
+them), so results are bitwise the same as before, and the same with async communication on and off:
+off, each collective runs at once (``async_op=False``), in the same order, delivered by the same
+code.
 A part of a parameter this rank gave no gradient (an expert only other ranks' tokens picked,
 [Note: unit module events]) is delivered only if it is not all zeros, i.e. if another rank
 gave one: as torch's DDP with ``find_unused_parameters=True``, a parameter no rank used keeps
@@ -80,6 +82,7 @@ class _Reduction:
     handle: CommHandle
     inputs: Sequence[torch.Tensor]  # kept alive until retired
     parts: Sequence[Part]  # delivered at finalize
+    output: Optional[torch.Tensor]  # contiguous; the parts are views of it
     unused: FrozenSet[int]  # ids of the parameters this rank gave no gradient
     input_bytes: int
     output_bytes: int
@@ -142,13 +145,15 @@ class PendingReductions:
         async_op: bool,
         then: Optional[Launch] = None,
         unused: FrozenSet[int] = frozenset(),
+        output: Optional[torch.Tensor] = None,
     ) -> None:
         """Issue one reduction; ``parts`` are read (and delivered) only at ``finalize``.
 
         ``launch(async_op)`` calls the collective; ``inputs`` are the tensors it reads, kept
         alive until it is retired; ``parts``: (parameter, slice of the output) pairs;
         ``then``: a second collective on the output, started once the first is done;
-        ``unused``: ids of the parameters of ``parts`` this rank gave no gradient.
+        ``unused``: ids of the parameters of ``parts`` this rank gave no gradient; ``output``:
+        the contiguous tensor every part is a view of, if there is one (cast at once).
         """
         if then is not None and (self.streams.uses_streams or not async_op):
             launch, then = _in_sequence(launch, then), None  # stream order / synchronous
@@ -161,6 +166,7 @@ class PendingReductions:
             handle=self.streams.issue(REDUCE, launch, async_op),
             inputs=tuple(inputs),
             parts=tuple(parts),
+            output=output,
             unused=unused,
             # an input that is also an output (ZeRO-3's owner) counts as an output
             input_bytes=sum(n for p, n in _storages(inputs).items() if p not in outputs),
@@ -191,8 +197,9 @@ class PendingReductions:
             self._retire(self._in_flight.popleft())
         sums: Dict[int, List] = {}  # id(param) -> [param, sum of its parts, used here]
         for reduction in reductions:
+            cast = {}  # dtype -> the output cast to it, once
             for param, part in reduction.parts:
-                part = part.to(param.dtype)
+                part = _cast(part, param.dtype, reduction.output, cast)
                 used = id(param) not in reduction.unused
                 entry = sums.get(id(param))
                 if entry is None:
@@ -248,6 +255,23 @@ class PendingReductions:
         self.streams.wait(reduction.handle)  # returns at once
         then, reduction.then = reduction.then, None
         reduction.handle = self.streams.issue(REDUCE, then, reduction.async_op)
+
+
+def _cast(
+    part: torch.Tensor,
+    dtype: torch.dtype,
+    output: Optional[torch.Tensor],
+    cast: Dict[torch.dtype, torch.Tensor],
+) -> torch.Tensor:
+    """``part`` in ``dtype``: with ``output`` (contiguous, ``part`` a view of it), the same view
+    of ``output`` cast once (``cast`` keeps it); else ``part.to(dtype)``."""
+    if part.dtype == dtype or output is None:
+        return part.to(dtype)
+    whole = cast.get(dtype)
+    if whole is None:
+        whole = cast[dtype] = output.to(dtype)
+    offset = part.storage_offset() - output.storage_offset()
+    return whole.as_strided(part.shape, part.stride(), whole.storage_offset() + offset)
 
 
 def _storages(tensors: Sequence[torch.Tensor]) -> Dict[int, int]:

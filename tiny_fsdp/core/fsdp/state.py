@@ -82,7 +82,9 @@ class FSDPState(UnitState):
             )
 
         then = None if groups.replicate_group is None else across_replicas
-        self.reductions.launch(launch, (input, output), parts, self.async_comm, then, unused)
+        self.reductions.launch(
+            launch, (input, output), parts, self.async_comm, then, unused, output=output
+        )
 
     def track_gathered(self, nbytes: int) -> None:
         self.gathered_bytes += nbytes

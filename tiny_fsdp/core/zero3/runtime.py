@@ -81,7 +81,10 @@ class Zero3Runtime(UnitState):
                 return []  # one rank: the reduction is the identity
             return [comm.reduce(buffer, dst=owner, async_op=async_op)]
 
-        self.reductions.launch(launch, (buffer,), parts, self.async_comm, unused=unused)
+        output = buffer if owner == self.rank else None  # the owner's parts are views of it
+        self.reductions.launch(
+            launch, (buffer,), parts, self.async_comm, unused=unused, output=output
+        )
 
     @torch.no_grad()
     def gather_full(self, param: nn.Parameter) -> torch.Tensor:
