@@ -78,10 +78,8 @@ def _reduce_scatter_tensor(
     group: Any = None,
     async_op: bool = False,
 ) -> Any:
-    if gloo_collectives.uses_gloo(input, group):  # [Note: collectives on gloo]
+    if gloo_collectives.is_gloo(group):  # [Note: collectives on gloo]
         return gloo_collectives.reduce_scatter(output, input, op, group, async_op)
-    if gloo_collectives.cuda_on_gloo(input, group):
-        return gloo_collectives.reduce_scatter_by_all_reduce(output, input, op, group, async_op)
     return _torch_reduce_scatter(output, input, op=op, group=group, async_op=async_op)
 
 
@@ -92,8 +90,8 @@ def _reduce_tensor(
     group: Any = None,
     async_op: bool = False,
 ) -> Any:
-    if gloo_collectives.cuda_on_gloo(tensor, group):  # [Note: collectives on gloo]
-        return gloo_collectives.reduce_by_all_reduce(tensor, op, group, async_op)
+    if gloo_collectives.is_gloo(group):  # [Note: collectives on gloo]
+        return gloo_collectives.reduce(tensor, dst, op, group, async_op)
     return dist.reduce(tensor, dst=dst, op=op, group=group, async_op=async_op)
 
 

@@ -26,9 +26,10 @@ other backends use their own all-gather and reduce-scatter.
 CUDA tensors on gloo (several ranks sharing one GPU, where NCCL refuses two ranks on a device):
 gloo has an all-reduce, a broadcast and an all-gather for them but no reduce and no
 reduce-scatter. Those two run as one all-reduce of the whole input (``input`` is scratch
-afterwards, every rank holds the sum), then the rank's own chunk is copied into ``output``: the
-same sums, N times the traffic of a reduce-scatter; the ledger still counts the logical
-collective. A testing and small-scale path, not a fast one.
+afterwards, every rank holds the sum; a reduce-scatter then copies the rank's own chunk into
+``output``): the same sums, N times the traffic of a reduce-scatter; the ledger still counts the
+logical collective. A testing and small-scale path, not a fast one. ``reduce`` and
+``reduce_scatter`` here take every gloo reduction, CPU or CUDA (``is_gloo``).
 """
 
 import threading
@@ -65,36 +66,25 @@ def uses_gloo(tensor: torch.Tensor, group: Optional[dist.ProcessGroup]) -> bool:
     return tensor.device.type == "cpu" and dist.get_backend(group) == "gloo"
 
 
-def cuda_on_gloo(tensor: torch.Tensor, group: Optional[dist.ProcessGroup]) -> bool:
-    """Whether ``tensor`` is on CUDA and ``group`` a gloo group, which reduces it only by an
-    all-reduce ([Note: collectives on gloo])."""
-    return tensor.device.type == "cuda" and dist.get_backend(group) == "gloo"
+def is_gloo(group: Optional[dist.ProcessGroup]) -> bool:
+    """Whether ``group`` is a gloo group: its reduce / reduce-scatter go through this module."""
+    return dist.get_backend(group) == "gloo"
 
 
-def reduce_by_all_reduce(
-    tensor: torch.Tensor, op: dist.ReduceOp, group: Optional[dist.ProcessGroup], async_op: bool
-) -> Optional[GlooWorks]:
-    """A reduce of ``tensor`` as an all-reduce: the destination gets the reduction (so does
-    every other rank)."""
-    return _finish(
-        GlooWorks([dist.all_reduce(tensor, op=op, group=group, async_op=True)]), async_op
-    )
-
-
-def reduce_scatter_by_all_reduce(
-    output: torch.Tensor,
-    input: torch.Tensor,
+def reduce(
+    tensor: torch.Tensor,
+    dst: int,
     op: dist.ReduceOp,
     group: Optional[dist.ProcessGroup],
     async_op: bool,
-) -> Optional[GlooWorks]:
-    """``output`` (k,) <- chunk ``rank`` of the all-reduced ``input`` (N * k,); ``input`` is
-    scratch afterwards."""
-    rank, k = dist.get_rank(group), output.numel()
-    own = input.view(-1, k)[rank]
-    work = dist.all_reduce(input, op=op, group=group, async_op=True)
-    copy = None if own.data_ptr() == output.data_ptr() else (output, own)
-    return _finish(GlooWorks([work], copy), async_op)
+) -> Any:
+    """gloo's reduce of a CPU tensor; of a CUDA tensor, which gloo cannot reduce, an all-reduce
+    (``dst`` gets the reduction, and so does every other rank)."""
+    if tensor.device.type != "cuda":
+        return dist.reduce(tensor, dst=dst, op=op, group=group, async_op=async_op)
+    return _finish(
+        GlooWorks([dist.all_reduce(tensor, op=op, group=group, async_op=True)]), async_op
+    )
 
 
 def all_gather(
@@ -120,13 +110,16 @@ def reduce_scatter(
     async_op: bool,
 ) -> Optional[GlooWorks]:
     """``output`` (k,) <- chunk ``rank`` of the reduction of every rank's ``input`` (N * k,),
-    by N reduces; ``input`` is scratch afterwards."""
+    by N reduces (CUDA: one all-reduce); ``input`` is scratch afterwards."""
     n, rank, k = dist.get_world_size(group), dist.get_rank(group), output.numel()
     chunks = input.view(n, k)
-    works = [
-        dist.reduce(chunks[r], dst=_global(group, r), op=op, group=group, async_op=True)
-        for r in range(n)
-    ]
+    if input.device.type == "cuda":  # gloo has no CUDA reduce
+        works = [dist.all_reduce(input, op=op, group=group, async_op=True)]
+    else:
+        works = [
+            dist.reduce(chunks[r], dst=_global(group, r), op=op, group=group, async_op=True)
+            for r in range(n)
+        ]
     own = chunks[rank]
     copy = None if own.data_ptr() == output.data_ptr() else (output, own)
     return _finish(GlooWorks(works, copy), async_op)
