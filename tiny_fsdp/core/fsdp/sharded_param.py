@@ -106,10 +106,10 @@ class ShardedParam:
         """
         if self.numel == 0:
             return
-        src, dst, q, rem = self._blocks(full, gathered)
-        if q == self.world_size:  # the rows split evenly: no padding, one op
-            (dst.add_ if accumulate else dst.copy_)(src.view(dst.shape))
+        if self.rows == self.world_size * self.shard_rows:  # an even split: no padding, one op
+            (gathered.add_ if accumulate else gathered.copy_)(full.reshape(gathered.shape))
             return
+        src, dst, q, rem = self._blocks(full, gathered)
         whole = src[: q * self.shard_rows].view(q, self.shard_rows, self.row_numel)
         if accumulate:  # padding rows are already zero
             dst[:q].add_(whole)

@@ -39,28 +39,30 @@ step time and 1.03 x our DDP's, ZeRO-3 at 0.90 x FSDP2 and 1.01 x DDP (median of
 ratios, load average 1.6-2.0 on 2 cores; 4 ranks: 0.92, 1.02, 0.91, 1.03).
 """
 
-from typing import Any, Dict, List, Sequence, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
 from torch import nn
 
 from tiny_fsdp.core import comm
-from tiny_fsdp.core.fsdp.sharded_param import ShardedParam, shard_info
+from tiny_fsdp.core.fsdp.gather_buffers import GatherBuffers
+from tiny_fsdp.core.fsdp.sharded_param import shard_info
 from tiny_fsdp.core.fsdp.state import FSDPState
 from tiny_fsdp.core.full_unit import FullUnit, copied_model_error
 from tiny_fsdp.core.unit_layout import grouped, unit_params
 from tiny_fsdp.core.streams import GATHER, CommHandle, Launch
-from tiny_fsdp.core.utils import huge_pages
+from tiny_fsdp.core.utils.storage import allocate, free
 
-# One collective per entry: (handle, output (world * numel,), input kept alive until waited).
-PendingGather = List[Tuple[CommHandle, torch.Tensor, torch.Tensor]]
+# One collective per group: (handle, the group's buffers, its output allocated).
+PendingGather = List[Tuple[CommHandle, GatherBuffers]]
 
 
 class GatherUnit(FullUnit):
     """Unshards and reshards the full parameters of ``layers`` ([Note: gather units]).
 
     Implements the prefetcher's ``Unit`` verbs ([Note: prefetch]) with all-gathers of shards;
-    holding and releasing are ``FullUnit``'s ([Note: full units]).
+    holding and releasing are ``FullUnit``'s ([Note: full units]). Each group's buffers and
+    their views are made once ([Note: buffers made once]).
     """
 
     def __init__(
@@ -75,6 +77,7 @@ class GatherUnit(FullUnit):
         shards = unit_params(self.layers)  # each once
         # A collective has one dtype: tensors of one dtype travel together (or each alone).
         self.groups = grouped(shards, lambda param: param.dtype, per_tensor)
+        self._buffers: List[Optional[GatherBuffers]] = [None] * len(self.groups)
         self._full_bytes = 0
 
     def gathered_numel(self) -> int:
@@ -86,63 +89,70 @@ class GatherUnit(FullUnit):
     def unshard(self, async_op: bool) -> PendingGather:
         """Start (or run) one all-gather per group; counted in the state's gathered bytes."""
         pending: PendingGather = []
-        world, rank = self.state.world_size, self.state.rank  # of the shard group
-        for group in self.groups:
+        for index, group in enumerate(self.groups):
             if any(shard_info(param) is None for param in group):
                 raise copied_model_error("FSDP")
-            shards = [param.detach().reshape(-1) for param in group]
-            numel = sum(shard.numel() for shard in shards)
-            # Mixed precision: cast the shard, not the gathered tensor: half the bytes travel.
-            dtype = self.state.gather_dtype(shards[0].dtype)
-            out = huge_pages.empty(world * numel, dtype, shards[0].device)  # (world * numel,)
+            buffers = self._group_buffers(index, group)
+            out = allocate(buffers.out)  # (world * numel,)
             # In place: this rank's shards go straight into their chunk of the output, one
-            # copy (and cast) instead of a concatenation and a copy ([Note: collectives on gloo]).
-            own = out.view(world, numel)[rank]
-            torch.cat(shards, out=own)
+            # copy (and cast: mixed precision casts the shard, not the gathered tensor, so half
+            # the bytes travel) instead of a concatenation and a copy ([Note: collectives on
+            # gloo]).
+            shards = buffers.local.of(group)
+            if len(shards) == 1:
+                buffers.own.copy_(shards[0])
+            else:
+                torch.cat(shards, out=buffers.own)
             groups = self.state.groups  # [Note: hybrid sharding]
-            handle = self.state.streams.issue(GATHER, _all_gather(out, own, groups), async_op)
+            launch = _all_gather(out, buffers.own, groups)
+            handle = self.state.streams.issue(GATHER, launch, async_op)
             self.state.track_gathered(_nbytes(out))
-            pending.append((handle, out, own))
+            pending.append((handle, buffers))
         return pending
 
     def wait_for_unshard(self, pending: PendingGather) -> None:
         """Wait for the all-gathers; keep each parameter's full tensor (view or copy-out)."""
-        world = self.state.world_size
         full: Dict[int, torch.Tensor] = {}
         full_bytes = 0
-        for group, (handle, out, _) in zip(self.groups, pending):
+        for handle, buffers in pending:
             self.state.streams.wait(handle)
-            if len(group) == 1:
-                full[id(group[0])] = shard_info(group[0]).full_view(out)  # view: no copy
-                full_bytes += _nbytes(out)
-                continue
-            infos: List[ShardedParam] = [shard_info(p) for p in group]
-            sizes = [info.shard_numel for info in infos]
-            grid = out.view(world, sum(sizes))  # row r: rank r's shards
-            # Copy-out in one op: tensor i's columns of the grid, rank after rank, are its
-            # padded full tensor; placed back to back in one buffer, each is a view of it.
-            padded = huge_pages.empty(out.numel(), out.dtype, out.device)
-            self.state.track_gathered(_nbytes(padded))
-            blocks = padded.split([world * n for n in sizes])
-            torch.split_with_sizes_copy(
-                grid, sizes, dim=1, out=[b.view(world, n) for b, n in zip(blocks, sizes)]
-            )
-            for param, info, block in zip(group, infos, blocks):
-                full[id(param)] = info.full_view(block)
-            self.state.track_gathered(-_nbytes(out))  # the rank-major buffer dies here
-            full_bytes += _nbytes(padded)
+            if not buffers.single:
+                # Copy-out in one op: tensor i's columns of the grid, rank after rank, are its
+                # padded full tensor; placed back to back in one buffer, each is a view of it.
+                padded = allocate(buffers.padded)
+                self.state.track_gathered(_nbytes(padded))
+                torch.split_with_sizes_copy(buffers.grid, buffers.sizes, dim=1, out=buffers.blocks)
+                free(buffers.out)  # the rank-major buffer dies here
+                self.state.track_gathered(-_nbytes(buffers.out))
+            full.update(buffers.full)
+            full_bytes += _nbytes(buffers.full_tensor)
         self._full_bytes = full_bytes
         self.set_full(full)
 
     def discard(self, pending: PendingGather) -> None:
         """Forget a prefetch that will not be used, once its collective has finished."""
-        for handle, out, _ in pending:
+        for handle, buffers in pending:
             self.state.streams.wait(handle)
-            self.state.track_gathered(-_nbytes(out))
+            free(buffers.out)
+            self.state.track_gathered(-_nbytes(buffers.out))
 
     def on_reshard(self) -> None:
+        for buffers in self._buffers:
+            if buffers is not None:
+                free(buffers.full_tensor)
         self.state.track_gathered(-self._full_bytes)
         self._full_bytes = 0
+
+    def _group_buffers(self, index: int, group: List[nn.Parameter]) -> GatherBuffers:
+        """Group ``index``'s buffers, made at its first unshard (or when its dtype or device
+        changed)."""
+        dtype = self.state.gather_dtype(group[0].dtype)
+        buffers = self._buffers[index]
+        if buffers is None or not buffers.fits(dtype, group[0].device):
+            state = self.state
+            buffers = GatherBuffers(group, state.world_size, state.rank, dtype, group[0].device)
+            self._buffers[index] = buffers
+        return buffers
 
 
 def _all_gather(out: torch.Tensor, flat: torch.Tensor, groups: Any) -> Launch:

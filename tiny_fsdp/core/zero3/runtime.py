@@ -16,6 +16,7 @@ from torch import nn
 from tiny_fsdp.core import comm
 from tiny_fsdp.core.precision import MixedPrecisionPolicy
 from tiny_fsdp.core.unit_state import UnitState
+from tiny_fsdp.core.utils.storage import holds_memory
 
 ATTR = "_tiny_fsdp_zero3"  # name of the TensorInfo attribute put on each managed Parameter
 
@@ -46,11 +47,12 @@ class FetchStats:
     def add(self, buffer: torch.Tensor) -> None:
         self.live_bytes += buffer.numel() * buffer.element_size()
         self.peak_bytes = max(self.peak_bytes, self.live_bytes)
-        self._refs = [r for r in self._refs if r() is not None] + [weakref.ref(buffer)]
+        self._refs = [r for r in self._refs if holds_memory(r())] + [weakref.ref(buffer)]
 
     def buffers_alive(self) -> int:
-        """Fetched buffers still referenced by anyone: the bookkeeping above, checked for real."""
-        return sum(r() is not None for r in self._refs)
+        """Fetched buffers still holding memory: the bookkeeping above, checked for real (a
+        buffer made once lives on without memory: [Note: buffers made once])."""
+        return sum(holds_memory(r()) for r in self._refs)
 
 
 class Zero3Runtime(UnitState):

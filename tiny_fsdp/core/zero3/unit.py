@@ -8,9 +8,10 @@ belongs to a *unit* ([Note: glossary]; the model's blocks by default, ``unit_lay
 its ``UnitHandler`` routes the layer seam ([Note: unit handler]):
 
 - ``fetch``: the unit's ``unshard`` (this file): each owner broadcasts its tensors of the unit
-  (one collective per owner and dtype); the other ranks receive them into fresh buffers.
-- ``release``: once all the unit's layers are done, ``reshard``: the buffers are dropped.
-  Nothing else holds them (the layer callbacks save inputs, never weights), so they are freed;
+  (one collective per owner and dtype); the other ranks receive them into buffers that get
+  memory for the fetch ([Note: buffers made once]).
+- ``release``: once all the unit's layers are done, ``reshard``: the buffers' memory is freed
+  (the layer callbacks save inputs, never weights, so nothing reads it later);
   ``Zero3Runtime.stats`` counts them.
 - ``reduce_grads``: the layer's full gradients are summed into the unit's buffers, one per
   owner and dtype ([Note: unit reduction], ``grads.py``); divided by N and SUM-reduced to the
@@ -36,13 +37,13 @@ tensors are broadcast and the same math runs.
 The unit implements the prefetcher's verbs ([Note: prefetch]); holding and releasing are
 ``FullUnit``'s ([Note: full units]). The unit's tensors of one owner and dtype travel in one
 broadcast: the owner sends them concatenated into one buffer (a single tensor as it is), every
-other rank receives into a fresh buffer and computes with views of it; the owner computes with
+other rank receives into its buffer and computes with views of it; the owner computes with
 its own tensors (with a cast copy under mixed precision). With ``unit="tensor"`` every tensor
 has its own broadcast, as the first ZeRO-3 here did.
 """
 
 from dataclasses import dataclass
-from typing import Any, Dict, List, Sequence
+from typing import Any, Dict, List, Optional, Sequence
 
 import torch
 from torch import nn
@@ -51,7 +52,7 @@ from tiny_fsdp.core import comm
 from tiny_fsdp.core.full_unit import FullUnit, copied_model_error
 from tiny_fsdp.core.streams import GATHER, CommHandle
 from tiny_fsdp.core.unit_layout import grouped, unit_params
-from tiny_fsdp.core.utils import huge_pages
+from tiny_fsdp.core.utils.storage import LocalViews, allocate, free
 from tiny_fsdp.core.zero3.runtime import ATTR, TensorInfo, Zero3Runtime, owner_and_dtype
 
 
@@ -61,7 +62,7 @@ class PendingBroadcast:
 
     full: Dict[int, torch.Tensor]  # id(local parameter) -> full tensor
     handle: CommHandle  # the unit's broadcasts ([Note: communication streams])
-    buffers: List[torch.Tensor]  # made for this fetch (received, or the owner's send copies)
+    buffers: List[torch.Tensor]  # allocated for this fetch (received, or the owner's send copies)
     nbytes: int  # their bytes
 
 
@@ -78,6 +79,7 @@ class BroadcastUnit(FullUnit):
         super().__init__(name, layers, runtime)
         self.runtime = runtime  # the state, typed
         self.groups = grouped(unit_params(self.layers), owner_and_dtype, per_tensor)
+        self._made: List[Optional[_GroupBuffer]] = [None] * len(self.groups)
         self._buffers: List[torch.Tensor] = []  # of the current fetch, freed at reshard
         self._nbytes = 0
 
@@ -86,31 +88,26 @@ class BroadcastUnit(FullUnit):
         rt = self.runtime
         full: Dict[int, torch.Tensor] = {}
         broadcasts, buffers, nbytes = [], [], 0
-        for group in self.groups:
+        for index, group in enumerate(self.groups):
             owner, dtype = _info(group[0]).owner, rt.gather_dtype(group[0].dtype)
             own, cast = owner == rt.rank, dtype != group[0].dtype
+            made = self._group_buffer(index, group, dtype)
             if own and not cast:  # the owner computes with its own tensors, no copy
-                for param in group:
-                    full[id(param)] = param.detach()
-            if rt.world_size == 1 and not cast:
-                continue
-            if own and len(group) == 1:
-                flat = group[0].detach().reshape(-1).to(dtype)  # no copy unless cast
-            else:  # a buffer: to send the owned tensors concatenated (and cast), or to receive
-                numel = sum(_info(p).shape.numel() for p in group)
-                flat = huge_pages.empty(numel, dtype, group[0].device)
-                if own:
-                    torch.cat([p.detach().reshape(-1) for p in group], out=flat)
-            if not (own and len(group) == 1 and not cast):  # a buffer made for this fetch
-                rt.stats.add(flat)
-                buffers.append(flat)
-                nbytes += flat.numel() * flat.element_size()
+                full.update(zip(made.ids, made.own.of(group)))
+                if rt.world_size == 1:
+                    continue
+                if len(group) == 1:  # sent as it is
+                    broadcasts.append((made.local.of(group)[0], owner))
+                    continue
+            # A buffer: to send the owned tensors concatenated (and cast), or to receive.
+            flat = allocate(made.flat)
+            if own:
+                torch.cat(made.local.of(group), out=flat)
+            rt.stats.add(flat)
+            buffers.append(flat)
+            nbytes += flat.numel() * flat.element_size()
             if not own or cast:  # the full parameters are views of the buffer
-                offset = 0
-                for param in group:
-                    shape = _info(param).shape
-                    full[id(param)] = flat[offset : offset + shape.numel()].view(shape)
-                    offset += shape.numel()
+                full.update(made.full)
             if rt.world_size > 1:
                 broadcasts.append((flat, owner))
 
@@ -129,11 +126,48 @@ class BroadcastUnit(FullUnit):
     def discard(self, pending: PendingBroadcast) -> None:
         """Forget a prefetch that will not be used, once its broadcasts have finished."""
         self.runtime.streams.wait(pending.handle)
+        for buffer in pending.buffers:
+            free(buffer)
         self.runtime.stats.live_bytes -= pending.nbytes
 
     def on_reshard(self) -> None:
+        for buffer in self._buffers:
+            free(buffer)
         self.runtime.stats.live_bytes -= self._nbytes
         self._buffers, self._nbytes = [], 0
+
+    def _group_buffer(
+        self, index: int, group: List[nn.Parameter], dtype: torch.dtype
+    ) -> "_GroupBuffer":
+        """Group ``index``'s buffer, made at its first unshard (again if its dtype or device
+        changed)."""
+        made = self._made[index]
+        if made is None or not made.fits(dtype, group[0].device):
+            made = _GroupBuffer(group, dtype, group[0].device)
+            self._made[index] = made
+        return made
+
+
+class _GroupBuffer:
+    """One group's broadcast buffer (numel,) and the full tensors that view it, made once, plus
+    views of the owner's tensors ([Note: buffers made once])."""
+
+    def __init__(self, group: List[nn.Parameter], dtype: torch.dtype, device: torch.device):
+        shapes = [_info(param).shape for param in group]
+        self.ids = [id(param) for param in group]
+        with torch.inference_mode(False):  # [Note: buffers made once]
+            self.flat = torch.empty(sum(s.numel() for s in shapes), dtype=dtype, device=device)
+            parts = self.flat.split([s.numel() for s in shapes])
+            self.full = {i: part.view(s) for i, part, s in zip(self.ids, parts, shapes)}
+        free(self.flat)
+        self.own = LocalViews(flat=False)  # the owner computes with these (no cast)
+        self.local = LocalViews(flat=True)  # the owner sends these
+
+    def fits(self, dtype: torch.dtype, device: torch.device) -> bool:
+        return self.flat.dtype == dtype and self.flat.device == device
+
+    def __deepcopy__(self, memo: Dict[int, object]) -> None:
+        return None  # a copy makes its own at its first unshard
 
 
 def _info(param: nn.Parameter) -> TensorInfo:

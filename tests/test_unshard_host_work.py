@@ -1,0 +1,70 @@
+"""An unshard's host work does not grow with the number of tensors it gathers.
+
+[Note: buffers made once] (``core/utils/storage.py``): FSDP's and ZeRO-3's units make their
+buffers and every view of them at their first unshard; later unshards dispatch a few ops per
+collective (copy the local tensors in, the collective, the copy-out), not several per tensor.
+On a GPU each dispatched op is host time during which the device may wait.
+"""
+
+from collections import OrderedDict
+from typing import Any, Dict, List, Tuple
+
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from tests.harness import run_distributed
+from tests.parity import make_model
+from tiny_fsdp.core.fsdp import FSDP
+from tiny_fsdp.core.module.handler import TrainingPhase
+from tiny_fsdp.core.utils.storage import holds_memory
+from tiny_fsdp.core.zero3 import Zero3, zero3_partition_tensors
+
+
+class _CountOps(TorchDispatchMode):
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops: List[str] = []
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        self.ops.append(str(func))
+        return func(*args, **(kwargs or {}))
+
+
+def _unshard_ops(unit: Any, gathers_all: bool) -> Tuple[int, List[str]]:
+    """(tensors, ops dispatched) of one unshard, wait and reshard of ``unit``; ``gathers_all``:
+    every full tensor is gathered (FSDP; a ZeRO-3 owner computes with its own tensors)."""
+    with _CountOps() as counter:
+        unit.wait_for_unshard(unit.unshard(async_op=False))
+        full = [t for t in unit.hold(unit.layers[0]) if t is not None]
+        unit.release(unit.layers[0], TrainingPhase.FORWARD)
+        unit.reshard()
+    assert full and not (gathers_all and any(holds_memory(t) for t in full))  # freed
+    return sum(len(group) for group in unit.groups), counter.ops
+
+
+def _worker(rank: int, world_size: int) -> Dict[str, List[Tuple[int, int, int]]]:
+    """Per strategy and unit: (tensors, groups, ops of its second unshard)."""
+    seen: Dict[str, List[Tuple[int, int, int]]] = {}
+    fsdp = FSDP(make_model(0))
+    model = make_model(0)
+    parts, _ = zero3_partition_tensors(OrderedDict(model.named_parameters()), ["cpu"] * world_size)
+    zero3 = Zero3(model, parts)
+    for name, wrapped in (("fsdp", fsdp), ("zero3", zero3)):
+        seen[name] = []
+        for unit in wrapped.units:
+            _unshard_ops(unit, name == "fsdp")  # the first makes the buffers
+            tensors, ops = _unshard_ops(unit, name == "fsdp")
+            seen[name].append((tensors, len(unit.groups), len(ops), ops))
+    return seen
+
+
+def test_an_unshard_dispatches_a_few_ops_per_collective_not_per_tensor() -> None:
+    # gpt2_tiny's units: two blocks of 12 tensors and the root; before buffers were made once,
+    # FSDP dispatched about 7 ops per tensor (views of the shards, of the output, of the
+    # copy-out, the full views), ZeRO-3 about 2 per tensor it received.
+    for per_rank in run_distributed(_worker, 2):
+        for name, units in per_rank.items():
+            assert max(tensors for tensors, _, _, _ in units) >= 12, (name, units)
+            for tensors, groups, ops, names in units:
+                # Per group: the copy in, the collective (on gloo a broadcast per rank, each
+                # from a view of the output: [Note: collectives on gloo]) and the copy-out.
+                assert ops <= groups * (4 + 2 * 2), (name, tensors, groups, names)

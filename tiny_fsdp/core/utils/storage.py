@@ -1,0 +1,73 @@
+"""Buffers made once, whose memory comes and goes: the unshard buffers of FSDP and ZeRO-3.
+
+[Note: buffers made once]
+An unshard of a unit of n tensors needs, besides its copies, several views per tensor: its
+flat local shard, its place in the send or receive buffer, its full tensor (FSDP also its block
+of the copy-out). Made anew in every unshard they are host work that grows with the number of
+tensors (GPT-2 124M under FSDP: ~2,000 view ops a step, on a GPU each a host call while the
+device may wait). So a unit makes its buffers once, with every view of them, and gives them
+memory only while they are in use: ``allocate`` resizes a buffer's storage to its size,
+``free`` to zero (what FSDP2 does with its all-gather output, and our generic layer with its
+full parameters). A view follows its storage, so views made once stay valid in every unshard.
+
+Lifetimes are those of tensors allocated anew ([Note: communication streams]): allocated on the
+caller's stream before the collective, freed once the caller has waited for it and no longer
+needs it. A buffer is never allocated twice: an unshard issued while the last one still holds
+its buffer raises instead of writing over parameters in use. A full tensor handed to a layer
+holds no memory after the reshard (its storage is empty), as a dropped tensor would not.
+
+``LocalViews`` keeps views of a group's local parameters, made again when a parameter's memory
+moved (``param.data`` replaced: a dtype or device change), which ``data_ptr`` shows: the kept
+views pin the old memory, so a new tensor cannot reuse its address.
+
+Buffers are made outside ``inference_mode`` even when the first unshard runs inside it (a
+``generate()``): an inference tensor could not be written in the next training step.
+"""
+
+from typing import List, Optional, Sequence
+
+import torch
+
+from tiny_fsdp.core.utils import huge_pages
+
+
+def allocate(tensor: torch.Tensor) -> torch.Tensor:
+    """Give a freed buffer its memory back (on the CPU in huge pages when large)."""
+    storage = tensor.untyped_storage()
+    if storage.nbytes():
+        raise RuntimeError(
+            "a unit was unsharded again while its last unshard still held its buffer ([Note: "
+            "buffers made once]): a bug in tiny_fsdp's prefetch order, please report it"
+        )
+    storage.resize_(tensor.numel() * tensor.element_size())
+    huge_pages.advise(tensor)
+    return tensor
+
+
+def free(tensor: torch.Tensor) -> None:
+    """Return a buffer's memory; it and its views stay, spanning no memory until ``allocate``."""
+    tensor.untyped_storage().resize_(0)
+
+
+def holds_memory(tensor: Optional[torch.Tensor]) -> bool:
+    """Whether ``tensor`` exists and spans memory (a freed buffer and its views do not)."""
+    return tensor is not None and tensor.untyped_storage().nbytes() > 0
+
+
+class LocalViews:
+    """Views of a group's local parameters, flattened (``flat``) or as they are."""
+
+    def __init__(self, flat: bool) -> None:
+        self.flat = flat
+        self._ptrs: List[int] = []
+        self._views: List[torch.Tensor] = []
+
+    def of(self, group: Sequence[torch.Tensor]) -> List[torch.Tensor]:
+        """The views of ``group``'s tensors, made again where a tensor's memory moved."""
+        ptrs = [param.data_ptr() for param in group]
+        if ptrs != self._ptrs:
+            with torch.inference_mode(False):
+                self._views = [p.detach().reshape(-1) if self.flat else p.detach() for p in group]
+            # A reshape that copied (a non-contiguous tensor) is no view: made each time.
+            self._ptrs = ptrs if all(p.is_contiguous() for p in group) else []
+        return self._views
