@@ -67,6 +67,7 @@ class UnitGradients:
         self.layers = list(layers)
         self.state = state
         self.per_tensor = per_tensor
+        self._params: Optional[List[nn.Parameter]] = None  # unit_params, found once
         self._key: Optional[Tuple[bool, ...]] = None  # requires_grad flags the layout is for
         self._groups: List[List[nn.Parameter]] = []
         self._columns: Dict[int, Column] = {}  # id(param) -> where its gradient goes
@@ -128,7 +129,7 @@ class UnitGradients:
     def forget_layout(self) -> None:
         """Lay the gradients out again at the next backward (the parameters were copied:
         [Note: copying a wrapped model])."""
-        self._key = None
+        self._params, self._key = None, None
 
     def discard(self) -> None:
         """Forget every sum."""
@@ -141,10 +142,11 @@ class UnitGradients:
     # ---------------------------------------------------------------- internals
     def _allocate(self, grads: Params) -> None:
         """Lay out the trainable parameters (again if requires_grad changed); new buffers."""
-        params = unit_params(self.layers)
-        key = tuple(p.requires_grad for p in params)
+        if self._params is None:  # the unit's local parameters: fixed until a copy
+            self._params = unit_params(self.layers)
+        key = tuple(p.requires_grad for p in self._params)
         if key != self._key:
-            self._layout([p for p in params if p.requires_grad])
+            self._layout([p for p in self._params if p.requires_grad])
             self._key = key
         sync = self.state.require_grad_sync
         like = next(g for g in grads if g is not None)
