@@ -18,7 +18,7 @@ Subclasses make the parameters full (``unshard`` / ``wait_for_unshard``, then ``
 say what a reshard frees (``on_reshard``).
 """
 
-from typing import Dict, Optional, Sequence
+from typing import Dict, Optional, Sequence, Tuple
 
 import torch
 from torch import nn
@@ -37,6 +37,13 @@ class FullUnit:
         self.state = state  # the strategy's per-model state: fetch, keeps_after_forward
         self._full: Optional[Dict[int, torch.Tensor]] = None  # id(local param) -> full tensor
         self._released: Dict[TrainingPhase, set] = {phase: set() for phase in TrainingPhase}
+        # Each layer's local parameters in ``param_names`` order, found once. local_param: a
+        # registration a reader has swapped to its own full tensor ([Note: outside reads]; an
+        # op reading two of the layer's parameters) still names the local parameter. Keyed by
+        # the layer itself, so that a copy of the wrapper maps its own layers to its own params.
+        self._locals: Dict[nn.Module, Tuple[Optional[torch.Tensor], ...]] = {
+            layer: tuple(local_param(layer, n) for n in layer.param_names) for layer in self.layers
+        }
         self._holders = 0
 
     @property
@@ -47,12 +54,8 @@ class FullUnit:
         """The full parameters of ``layer``, in use until its ``release`` (the unit is full)."""
         assert self._full is not None, f"{self.name}: hold() before the unit was unsharded"
         self._holders += 1
-        # local_param: a registration a reader has swapped to its own full tensor ([Note: outside
-        # reads]; an op reading two of the layer's parameters) still names the local parameter.
-        return tuple(
-            None if p is None else self._full[id(p)]
-            for p in (local_param(layer, n) for n in layer.param_names)
-        )
+        full = self._full
+        return tuple(None if p is None else full[id(p)] for p in self._locals[layer])
 
     def release(self, layer: nn.Module, phase: TrainingPhase) -> None:
         """``layer`` is done; reshard once all layers are done in this phase and none computes."""
