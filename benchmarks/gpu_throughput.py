@@ -12,7 +12,9 @@ MFU (model FLOPs per token 6 N + 12 L T C, nanoGPT's estimate, over the GPU's de
 ``--peak_tflops``, default 989 for an H100 SXM). The strategies step in turn, round after round
 (all built at once), and each ratio is the median of the per-round ratios, so a drift of the
 machine's speed falls on all of them; the peak is the strategy's own: its persistent tensors
-plus the most a step allocated above them. ``benchmarks/gpu.sh`` also writes a timeline of
+plus the most a step allocated above them; "host ops": the ATen ops of one more step (after the
+timed ones) that call no other (``host_ops``), what the host must issue whatever the GPU's
+speed. ``benchmarks/gpu.sh`` also writes a timeline of
 FSDP steps (``--trace``), whose communication lanes are named by the CUDA stream each collective
 was issued on.
 """
@@ -87,6 +89,18 @@ def step(model, opt, autocast, x: torch.Tensor, y: torch.Tensor) -> None:
     opt.zero_grad(set_to_none=True)
 
 
+def host_ops(run_step: Any) -> int:
+    """ATen ops one step runs that call no other: kernels (each a launch on a GPU) and view /
+    metadata ops, all host work. In a host-bound step (a GPU faster than its host) this count,
+    unlike time, is the same on every machine. Counted by the profiler (CPU side only)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        run_step()
+    aten = [e for e in prof.events() if e.name.startswith("aten::")]
+    return sum(not any(c.name.startswith("aten::") for c in e.cpu_children) for e in aten)
+
+
 def main() -> None:
     args = parse_args()
     env = init_distributed(args.device)
@@ -125,6 +139,7 @@ def main() -> None:
                 if on_gpu:
                     peak = torch.cuda.max_memory_allocated(env.device) - before
                     transient[name] = max(transient[name], peak)
+    ops = {name: host_ops(lambda: step(*runs[name][:3], x, y)) for name in names}
     ratios = {
         base: {
             name: statistics.median(b / t for t, b in zip(times[name], times[base]))
@@ -137,15 +152,16 @@ def main() -> None:
         f"\n{args.model} bf16, batch {args.batch_size} x {args.seq_len}, 1 {env.device.type}, "
         f"{args.steps} rounds (median; 'vs': median of per-round tokens/s ratios)"
     )
-    print("| strategy | ms/step | tokens/s | MFU | peak GiB | vs torch | vs FSDP2 |")
-    print("|---|---|---|---|---|---|---|")
+    print("| strategy | ms/step | tokens/s | MFU | peak GiB | host ops | vs torch | vs FSDP2 |")
+    print("|---|---|---|---|---|---|---|---|")
     for name in names:
         ms = statistics.median(times[name]) * 1e3
         tokens = args.batch_size * args.seq_len / (ms / 1e3)
         mfu = tokens * flops_per_token / (args.peak_tflops * 1e12)
         peak = (runs[name][3] + transient[name]) / 2**30
         vs = [f"{ratios[b][name]:.3f}" if b in ratios else "-" for b in ("torch", "torch_fsdp2")]
-        print(f"| {name} | {ms:.1f} | {tokens:,.0f} | {mfu:.1%} | {peak:.2f} | {vs[0]} | {vs[1]} |")
+        row = f"| {name} | {ms:.1f} | {tokens:,.0f} | {mfu:.1%} | {peak:.2f} | {ops[name]:,} |"
+        print(f"{row} {vs[0]} | {vs[1]} |")
 
 
 if __name__ == "__main__":

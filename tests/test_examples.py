@@ -201,7 +201,8 @@ def test_fsdp_hsdp_across_two_torchrun_nodes_of_two_ranks(common, single_device_
 
 def test_the_gpu_throughput_benchmark_runs_every_strategy_on_the_cpu() -> None:
     """``benchmarks/gpu_throughput.py --device cpu``: the GPU check's benchmark, its table a row
-    per strategy with tokens/s and both ratios (its GPU run is ``benchmarks/gpu.sh``)."""
+    per strategy with tokens/s, the host ops of a step and both ratios (its GPU run is
+    ``benchmarks/gpu.sh``)."""
     script = os.path.join(ROOT, "benchmarks", "gpu_throughput.py")
     args = ["--device", "cpu", "--model", "gpt2_tiny", "--batch_size", "2", "--seq_len", "16"]
     cmd = [*_torchrun(1), script, *args, "--steps", "2", "--warmup", "1"]
@@ -216,7 +217,8 @@ def test_the_gpu_throughput_benchmark_runs_every_strategy_on_the_cpu() -> None:
     }
     names = ["torch", "torch_fsdp2", "single_device", "ddp", "zero1", "zero2", "zero3", "fsdp"]
     assert list(rows) == names, proc.stdout
-    for name, (ms, tokens, _, _, vs_torch, vs_fsdp2) in rows.items():
+    for name, (ms, tokens, _, _, ops, vs_torch, vs_fsdp2) in rows.items():
         assert float(ms) > 0 and float(tokens.replace(",", "")) > 0, (name, rows[name])
+        assert int(ops.replace(",", "")) > 100, (name, rows[name])  # a step's ops, counted
         assert float(vs_torch) > 0 and float(vs_fsdp2) > 0, (name, rows[name])
-    assert rows["torch"][4] == "1.000" and rows["torch_fsdp2"][5] == "1.000"
+    assert rows["torch"][5] == "1.000" and rows["torch_fsdp2"][6] == "1.000"

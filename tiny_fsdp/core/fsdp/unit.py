@@ -53,7 +53,7 @@ from tiny_fsdp.core.unit_layout import grouped, unit_params
 from tiny_fsdp.core.streams import GATHER, CommHandle, Launch
 from tiny_fsdp.core.utils.storage import allocate, free
 
-# One collective per group: (handle, the group's buffers, its output allocated).
+# One collective per group: (handle, the group's buffers, whose output is allocated).
 PendingGather = List[Tuple[CommHandle, GatherBuffers]]
 
 

@@ -149,22 +149,35 @@ class BroadcastUnit(FullUnit):
 
 
 class _GroupBuffer:
-    """One group's broadcast buffer (numel,) and the full tensors that view it, made once, plus
-    views of the owner's tensors ([Note: buffers made once])."""
+    """One group's broadcast buffer (numel,) and the full tensors that view it, made once at
+    the first fetch that needs them, plus views of the owner's tensors ([Note: buffers made
+    once])."""
 
     def __init__(self, group: List[nn.Parameter], dtype: torch.dtype, device: torch.device):
-        shapes = [_info(param).shape for param in group]
+        self.shapes = [_info(param).shape for param in group]
         self.ids = [id(param) for param in group]
-        with torch.inference_mode(False):  # [Note: buffers made once]
-            self.flat = torch.empty(sum(s.numel() for s in shapes), dtype=dtype, device=device)
-            parts = self.flat.split([s.numel() for s in shapes])
-            self.full = {i: part.view(s) for i, part, s in zip(self.ids, parts, shapes)}
-        free(self.flat)
+        self.dtype, self.device = dtype, device
+        self._flat: Optional[torch.Tensor] = None
+        self.full: Dict[int, torch.Tensor] = {}  # id(local parameter) -> view of the buffer
         self.own = LocalViews(flat=False)  # the owner computes with these (no cast)
         self.local = LocalViews(flat=True)  # the owner sends these
 
+    @property
+    def flat(self) -> torch.Tensor:
+        """The buffer (memory freed until ``allocate``); an owner that neither casts nor
+        concatenates never makes it."""
+        if self._flat is None:
+            numels = [shape.numel() for shape in self.shapes]
+            with torch.inference_mode(False):  # [Note: buffers made once]
+                flat = torch.empty(sum(numels), dtype=self.dtype, device=self.device)
+                parts = flat.split(numels)
+                self.full = {i: p.view(s) for i, p, s in zip(self.ids, parts, self.shapes)}
+            free(flat)
+            self._flat = flat
+        return self._flat
+
     def fits(self, dtype: torch.dtype, device: torch.device) -> bool:
-        return self.flat.dtype == dtype and self.flat.device == device
+        return self.dtype == dtype and self.device == device
 
     def __deepcopy__(self, memo: Dict[int, object]) -> None:
         return None  # a copy makes its own at its first unshard
