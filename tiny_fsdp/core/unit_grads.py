@@ -186,7 +186,8 @@ class UnitGradients:
                     self.write(buffer, param, offset, None, False)
                 offset += self.numel_in_group(param)
             buffer = buffer.to(state.reduce_dtype(group[0].dtype))  # a no_sync fp32 sum: cast
-            buffer.div_(state.grad_divisor)  # SUM of grad / N == average, on every backend
+            if state.grad_divisor != 1:  # x / 1 is x, bit for bit: no pass over the buffer
+                buffer.div_(state.grad_divisor)  # SUM of grad / N == average, on every backend
             unused = frozenset(id(p) for p in group if id(p) not in written)
             self.reduce_group(group, buffer, unused)
 

@@ -1,9 +1,10 @@
-"""An unshard's host work does not grow with the number of tensors it gathers.
+"""Host work FSDP and ZeRO-3 do not do: per-tensor views in an unshard, a division by one.
 
-[Note: buffers made once] (``core/utils/storage.py``): FSDP's and ZeRO-3's units make their
-buffers and every view of them at their first unshard; later unshards dispatch a few ops per
-collective (copy the local tensors in, the collective, the copy-out), not several per tensor.
-On a GPU each dispatched op is host time during which the device may wait.
+An unshard's host work does not grow with the number of tensors it gathers ([Note: buffers
+made once], ``core/utils/storage.py``): FSDP's and ZeRO-3's units make their buffers and every
+view of them at their first unshard; later unshards dispatch a few ops per collective (copy the
+local tensors in, the collective, the copy-out), not several per tensor. On a GPU each
+dispatched op is host time during which the device may wait.
 """
 
 from collections import OrderedDict
@@ -12,7 +13,7 @@ from typing import Any, Dict, List, Tuple
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from tests.harness import run_distributed
-from tests.parity import make_model
+from tests.parity import global_batch, lm_loss, local_slice, make_model
 from tiny_fsdp.core.fsdp import FSDP
 from tiny_fsdp.core.module.handler import TrainingPhase
 from tiny_fsdp.core.utils.storage import holds_memory
@@ -41,14 +42,17 @@ def _unshard_ops(unit: Any, gathers_all: bool) -> Tuple[int, List[str]]:
     return sum(len(group) for group in unit.groups), counter.ops
 
 
+def _wrapped(world_size: int) -> Dict[str, Any]:
+    """gpt2_tiny under FSDP and under ZeRO-3, default arguments."""
+    model = make_model(0)
+    parts, _ = zero3_partition_tensors(OrderedDict(model.named_parameters()), ["cpu"] * world_size)
+    return {"fsdp": FSDP(make_model(0)), "zero3": Zero3(model, parts)}
+
+
 def _worker(rank: int, world_size: int) -> Dict[str, List[Tuple[int, int, int]]]:
     """Per strategy and unit: (tensors, groups, ops of its second unshard)."""
     seen: Dict[str, List[Tuple[int, int, int]]] = {}
-    fsdp = FSDP(make_model(0))
-    model = make_model(0)
-    parts, _ = zero3_partition_tensors(OrderedDict(model.named_parameters()), ["cpu"] * world_size)
-    zero3 = Zero3(model, parts)
-    for name, wrapped in (("fsdp", fsdp), ("zero3", zero3)):
+    for name, wrapped in _wrapped(world_size).items():
         seen[name] = []
         for unit in wrapped.units:
             _unshard_ops(unit, name == "fsdp")  # the first makes the buffers
@@ -68,3 +72,23 @@ def test_an_unshard_dispatches_a_few_ops_per_collective_not_per_tensor() -> None
                 # Per group: the copy in, the collective (on gloo a broadcast per rank, each
                 # from a view of the output: [Note: collectives on gloo]) and the copy-out.
                 assert ops <= groups * (4 + 2 * 2), (name, tensors, groups, names)
+
+
+def _divisions(rank: int, world_size: int) -> Dict[str, int]:
+    """Per strategy: ``div_`` ops a training backward runs."""
+    counts = {}
+    for name, wrapped in _wrapped(world_size).items():
+        x, y = global_batch(0, 2 * world_size, 8, 67)
+        loss = lm_loss(wrapped(local_slice(x, rank, world_size)), local_slice(y, rank, world_size))
+        with _CountOps() as counter:
+            loss.backward()
+        counts[name] = sum(op.startswith("aten.div_") for op in counter.ops)
+    return counts
+
+
+def test_one_rank_averages_its_gradients_without_dividing_by_one() -> None:
+    # x / 1 == x bit for bit, so one rank skips the pass over every reduction buffer (a kernel
+    # per unit on a GPU); two ranks divide each buffer once before its reduction.
+    assert run_distributed(_divisions, 1)[0] == {"fsdp": 0, "zero3": 0}
+    for counts in run_distributed(_divisions, 2):
+        assert counts["fsdp"] >= 3 and counts["zero3"] >= 3, counts
