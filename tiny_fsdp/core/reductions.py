@@ -212,7 +212,7 @@ class PendingReductions:
         sums = {k: v for k, v in sums.items() if v[2] or bool(v[1].any())}
         for param, total, _ in sums.values():
             if param.grad is None:
-                param.grad = total.detach()
+                param.grad = total  # no graph under no_grad: no detach (an op per parameter)
             else:
                 param.grad += total
         if self.on_finalized is not None:

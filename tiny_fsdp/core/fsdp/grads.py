@@ -48,11 +48,7 @@ class ReduceScatterGrads(UnitGradients):
     ) -> None:
         numel = buffer.numel() // self.state.world_size
         reduced = huge_pages.empty(numel, buffer.dtype, buffer.device)  # this rank's row
-        parts, offset = [], 0
-        for param in group:
-            info = shard_info(param)
-            parts.append(
-                (param, reduced[offset : offset + info.shard_numel].view(info.shard_shape))
-            )
-            offset += info.shard_numel
+        infos = [shard_info(param) for param in group]
+        pieces = reduced.split([info.shard_numel for info in infos])  # one op, not one a part
+        parts = [(p, piece.view(i.shard_shape)) for p, i, piece in zip(group, infos, pieces)]
         self.state.launch_reduce_scatter(reduced, buffer, parts, unused)

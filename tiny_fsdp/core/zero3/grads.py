@@ -47,10 +47,9 @@ class ReduceToOwnerGrads(UnitGradients):
         self, group: List[nn.Parameter], buffer: torch.Tensor, unused: FrozenSet[int]
     ) -> None:
         owner = getattr(group[0], ATTR).owner
-        parts, offset = [], 0
-        for param in group:
-            shape = getattr(param, ATTR).shape
-            if owner == self.state.rank:
-                parts.append((param, buffer[offset : offset + shape.numel()].view(shape)))
-            offset += shape.numel()
+        parts = []
+        if owner == self.state.rank:
+            shapes = [getattr(param, ATTR).shape for param in group]
+            pieces = buffer.split([shape.numel() for shape in shapes])  # one op, not one a part
+            parts = [(p, piece.view(s)) for p, s, piece in zip(group, shapes, pieces)]
         self.state.launch_reduce(buffer, owner, parts, unused)
