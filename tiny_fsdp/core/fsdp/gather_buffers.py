@@ -30,34 +30,24 @@ class GatherBuffers:
         device: torch.device,
     ) -> None:
         with torch.inference_mode(False):  # [Note: buffers made once]
-            self._make(group, world, rank, dtype, device)
-
-    def _make(
-        self,
-        group: Sequence[nn.Parameter],
-        world: int,
-        rank: int,
-        dtype: torch.dtype,
-        device: torch.device,
-    ) -> None:
-        infos = [shard_info(p) for p in group]
-        self.sizes = [info.shard_numel for info in infos]
-        numel = sum(self.sizes)
-        self.single = len(group) == 1
-        self.out = torch.empty(world * numel, dtype=dtype, device=device)
-        self.grid = self.out.view(world, numel)  # row r: rank r's shards, in group order
-        self.own = self.grid[rank]  # this rank's chunk: its shards go straight in
-        self.full: Dict[int, torch.Tensor] = {}  # id(param) -> full tensor
-        self.blocks: List[torch.Tensor] = []  # per tensor: its (world, shard numel) block
-        self.padded: Optional[torch.Tensor] = None
-        if self.single:
-            self.full[id(group[0])] = infos[0].full_view(self.out)
-        else:
-            self.padded = torch.empty(world * numel, dtype=dtype, device=device)
-            blocks = self.padded.split([world * n for n in self.sizes])
-            self.blocks = [b.view(world, n) for b, n in zip(blocks, self.sizes)]
-            for param, info, block in zip(group, infos, blocks):
-                self.full[id(param)] = info.full_view(block)
+            infos = [shard_info(p) for p in group]
+            self.sizes = [info.shard_numel for info in infos]
+            numel = sum(self.sizes)
+            self.single = len(group) == 1
+            self.out = torch.empty(world * numel, dtype=dtype, device=device)
+            self.grid = self.out.view(world, numel)  # row r: rank r's shards, in group order
+            self.own = self.grid[rank]  # this rank's chunk: its shards go straight in
+            self.full: Dict[int, torch.Tensor] = {}  # id(param) -> full tensor
+            self.blocks: List[torch.Tensor] = []  # per tensor: its (world, shard numel) block
+            self.padded: Optional[torch.Tensor] = None
+            if self.single:
+                self.full[id(group[0])] = infos[0].full_view(self.out)
+            else:
+                self.padded = torch.empty(world * numel, dtype=dtype, device=device)
+                blocks = self.padded.split([world * n for n in self.sizes])
+                self.blocks = [b.view(world, n) for b, n in zip(blocks, self.sizes)]
+                for param, info, block in zip(group, infos, blocks):
+                    self.full[id(param)] = info.full_view(block)
         free(self.out)  # views are made while there is memory; then it goes until needed
         if self.padded is not None:
             free(self.padded)
