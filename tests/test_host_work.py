@@ -1,4 +1,5 @@
-"""Host work FSDP and ZeRO-3 do not do: per-tensor views in an unshard, a division by one.
+"""Host work FSDP and ZeRO-3 do not do: per-tensor views in an unshard, a division by one; and
+their unshard buffers, made once, after an unshard that raised.
 
 An unshard's host work does not grow with the number of tensors it gathers ([Note: buffers
 made once], ``core/utils/storage.py``): FSDP's and ZeRO-3's units make their buffers and every
@@ -10,6 +11,7 @@ dispatched op is host time during which the device may wait.
 from collections import OrderedDict
 from typing import Any, Dict, List, Tuple
 
+import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from tests.harness import run_distributed
@@ -92,3 +94,41 @@ def test_one_rank_averages_its_gradients_without_dividing_by_one() -> None:
     assert run_distributed(_divisions, 1)[0] == {"fsdp": 0, "zero3": 0}
     for counts in run_distributed(_divisions, 2):
         assert counts["fsdp"] >= 3 and counts["zero3"] >= 3, counts
+
+
+def _after_a_failed_unshard(rank: int, world_size: int) -> Dict[str, Any]:
+    """Per strategy: the first collective of a forward raises on every rank; then one step."""
+    from tiny_fsdp.core import comm
+
+    seen: Dict[str, Any] = {}
+    x, y = global_batch(0, 2 * world_size, 8, 67)
+    x, y = local_slice(x, rank, world_size), local_slice(y, rank, world_size)
+    for name, wrapped in _wrapped(world_size).items():
+        kind = "all_gather" if name == "fsdp" else "broadcast"
+        real = getattr(comm, kind)
+
+        def fails(*args: Any, **kwargs: Any) -> Any:
+            raise RuntimeError("injected: the collective failed")
+
+        setattr(comm, kind, fails)
+        try:
+            wrapped(x)
+            raise AssertionError("the injected failure did not surface")
+        except RuntimeError as error:
+            assert "injected" in str(error), error
+        finally:
+            setattr(comm, kind, real)
+        loss = lm_loss(wrapped(x), y)
+        loss.backward()
+        held = wrapped.memory_stats()["gathered_bytes"] if name == "fsdp" else None
+        held = wrapped.fetch_stats.live_bytes if held is None else held
+        seen[name] = (loss.item(), held)
+    return seen
+
+
+def test_an_unshard_that_raises_leaves_the_next_step_whole() -> None:
+    # The failed unshard had allocated a buffer; a kept buffer would make the next unshard of
+    # that unit refuse (an allocation over memory in use) or leak: it makes new ones instead.
+    for per_rank in run_distributed(_after_a_failed_unshard, 2):
+        for name, (loss, held) in per_rank.items():
+            assert torch.isfinite(torch.tensor(loss)) and held == 0, (name, loss, held)

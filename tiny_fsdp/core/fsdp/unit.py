@@ -51,7 +51,7 @@ from tiny_fsdp.core.fsdp.state import FSDPState
 from tiny_fsdp.core.full_unit import FullUnit, copied_model_error
 from tiny_fsdp.core.unit_layout import grouped, unit_params
 from tiny_fsdp.core.streams import GATHER, CommHandle, Launch
-from tiny_fsdp.core.utils.storage import allocate, free
+from tiny_fsdp.core.utils.storage import allocate, free, holds_memory
 
 # One collective per group: (handle, the group's buffers, whose output is allocated).
 PendingGather = List[Tuple[CommHandle, GatherBuffers]]
@@ -89,52 +89,66 @@ class GatherUnit(FullUnit):
     def unshard(self, async_op: bool) -> PendingGather:
         """Start (or run) one all-gather per group; counted in the state's gathered bytes."""
         pending: PendingGather = []
-        for index, group in enumerate(self.groups):
-            if any(shard_info(param) is None for param in group):
-                raise copied_model_error("FSDP")
-            buffers = self._group_buffers(index, group)
-            out = allocate(buffers.out)  # (world * numel,)
-            # In place: this rank's shards go straight into their chunk of the output, one
-            # copy (and cast: mixed precision casts the shard, not the gathered tensor, so half
-            # the bytes travel) instead of a concatenation and a copy ([Note: collectives on
-            # gloo]).
-            shards = buffers.local.of(group)
-            if len(shards) == 1:
-                buffers.own.copy_(shards[0])
-            else:
-                torch.cat(shards, out=buffers.own)
-            groups = self.state.groups  # [Note: hybrid sharding]
-            launch = _all_gather(out, buffers.own, groups)
-            handle = self.state.streams.issue(GATHER, launch, async_op)
-            self.state.track_gathered(_nbytes(out))
-            pending.append((handle, buffers))
+        allocated: List[GatherBuffers] = []
+        try:
+            for index, group in enumerate(self.groups):
+                if any(shard_info(param) is None for param in group):
+                    raise copied_model_error("FSDP")
+                buffers = self._group_buffers(index, group)
+                out = allocate(buffers.out)  # (world * numel,)
+                allocated.append(buffers)
+                self.state.track_gathered(_nbytes(out))
+                # In place: this rank's shards go straight into their chunk of the output, one
+                # copy (and cast: mixed precision casts the shard, not the gathered tensor, so
+                # half the bytes travel) instead of a concatenation and a copy ([Note:
+                # collectives on gloo]).
+                shards = buffers.local.of(group)
+                if len(shards) == 1:
+                    buffers.own.copy_(shards[0])
+                else:
+                    torch.cat(shards, out=buffers.own)
+                groups = self.state.groups  # [Note: hybrid sharding]
+                launch = _all_gather(out, buffers.own, groups)
+                pending.append((self.state.streams.issue(GATHER, launch, async_op), buffers))
+        except BaseException:
+            self._forget(allocated)
+            raise
         return pending
 
     def wait_for_unshard(self, pending: PendingGather) -> None:
         """Wait for the all-gathers; keep each parameter's full tensor (view or copy-out)."""
         full: Dict[int, torch.Tensor] = {}
         full_bytes = 0
-        for handle, buffers in pending:
-            self.state.streams.wait(handle)
-            if not buffers.single:
-                # Copy-out in one op: tensor i's columns of the grid, rank after rank, are its
-                # padded full tensor; placed back to back in one buffer, each is a view of it.
-                padded = allocate(buffers.padded)
-                self.state.track_gathered(_nbytes(padded))
-                torch.split_with_sizes_copy(buffers.grid, buffers.sizes, dim=1, out=buffers.blocks)
-                free(buffers.out)  # the rank-major buffer dies here
-                self.state.track_gathered(-_nbytes(buffers.out))
-            full.update(buffers.full)
-            full_bytes += _nbytes(buffers.full_tensor)
+        try:
+            for handle, buffers in pending:
+                self.state.streams.wait(handle)
+                if not buffers.single:
+                    # Copy-out in one op: tensor i's columns of the grid, rank after rank, are
+                    # its padded full tensor; back to back in one buffer, each a view of it.
+                    padded = allocate(buffers.padded)
+                    self.state.track_gathered(_nbytes(padded))
+                    grid, sizes, blocks = buffers.grid, buffers.sizes, buffers.blocks
+                    torch.split_with_sizes_copy(grid, sizes, dim=1, out=blocks)
+                    free(buffers.out)  # the rank-major buffer dies here
+                    self.state.track_gathered(-_nbytes(buffers.out))
+                full.update(buffers.full)
+                full_bytes += _nbytes(buffers.full_tensor)
+        except BaseException:
+            self._forget([buffers for _, buffers in pending])
+            raise
         self._full_bytes = full_bytes
         self.set_full(full)
 
     def discard(self, pending: PendingGather) -> None:
         """Forget a prefetch that will not be used, once its collective has finished."""
-        for handle, buffers in pending:
-            self.state.streams.wait(handle)
-            free(buffers.out)
-            self.state.track_gathered(-_nbytes(buffers.out))
+        try:
+            for handle, buffers in pending:
+                self.state.streams.wait(handle)
+                free(buffers.out)
+                self.state.track_gathered(-_nbytes(buffers.out))
+        except BaseException:
+            self._forget([buffers for _, buffers in pending])
+            raise
 
     def on_reshard(self) -> None:
         for buffers in self._buffers:
@@ -142,6 +156,16 @@ class GatherUnit(FullUnit):
                 free(buffers.full_tensor)
         self.state.track_gathered(-self._full_bytes)
         self._full_bytes = 0
+
+    def _forget(self, failed: List[GatherBuffers]) -> None:
+        """After an error in an unshard (a collective or a copy that raised): the next unshard
+        makes new buffers. These are dropped, not freed, since a collective may still be
+        writing them ([Note: buffers made once]); their memory goes with the last reference."""
+        for buffers in failed:
+            for tensor in (buffers.out, buffers.padded):
+                if holds_memory(tensor):
+                    self.state.track_gathered(-_nbytes(tensor))
+            self._buffers = [None if b is buffers else b for b in self._buffers]
 
     def _group_buffers(self, index: int, group: List[nn.Parameter]) -> GatherBuffers:
         """Group ``index``'s buffers, made at its first unshard (or when its dtype or device

@@ -13,7 +13,9 @@ full parameters). A view follows its storage, so views made once stay valid in e
 Lifetimes are those of tensors allocated anew ([Note: communication streams]): allocated on the
 caller's stream before the collective, freed once the caller has waited for it and no longer
 needs it. A buffer is never allocated twice: an unshard issued while the last one still holds
-its buffer raises instead of writing over parameters in use. A full tensor handed to a layer
+its buffer raises instead of writing over parameters in use. An unshard that raised (a
+collective or a copy) drops its group's buffers instead of freeing them, since a collective may
+still write them; the next unshard makes new ones. A full tensor handed to a layer
 holds no memory after the reshard (its storage is empty), as a dropped tensor would not.
 
 ``LocalViews`` keeps views of a group's local parameters, made again when a parameter's memory

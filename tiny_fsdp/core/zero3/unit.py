@@ -88,47 +88,69 @@ class BroadcastUnit(FullUnit):
         rt = self.runtime
         full: Dict[int, torch.Tensor] = {}
         broadcasts, buffers, nbytes = [], [], 0
-        for index, group in enumerate(self.groups):
-            owner, dtype = _info(group[0]).owner, rt.gather_dtype(group[0].dtype)
-            own, cast = owner == rt.rank, dtype != group[0].dtype
-            made = self._group_buffer(index, group, dtype)
-            if own and not cast:  # the owner computes with its own tensors, no copy
-                full.update(zip(made.ids, made.own.of(group)))
-                if rt.world_size == 1:
-                    continue
-                if len(group) == 1:  # sent as it is
-                    broadcasts.append((made.local.of(group)[0], owner))
-                    continue
-            # A buffer: to send the owned tensors concatenated (and cast), or to receive.
-            flat = allocate(made.flat)
-            if own:
-                torch.cat(made.local.of(group), out=flat)
-            rt.stats.add(flat)
-            buffers.append(flat)
-            nbytes += flat.numel() * flat.element_size()
-            if not own or cast:  # the full parameters are views of the buffer
-                full.update(made.full)
-            if rt.world_size > 1:
-                broadcasts.append((flat, owner))
+        try:
+            for index, group in enumerate(self.groups):
+                owner, dtype = _info(group[0]).owner, rt.gather_dtype(group[0].dtype)
+                own, cast = owner == rt.rank, dtype != group[0].dtype
+                made = self._group_buffer(index, group, dtype)
+                if own and not cast:  # the owner computes with its own tensors, no copy
+                    full.update(zip(made.ids, made.own.of(group)))
+                    if rt.world_size == 1:
+                        continue
+                    if len(group) == 1:  # sent as it is
+                        broadcasts.append((made.local.of(group)[0], owner))
+                        continue
+                # A buffer: to send the owned tensors concatenated (and cast), or to receive.
+                flat = allocate(made.flat)
+                rt.stats.add(flat)
+                buffers.append(flat)
+                nbytes += flat.numel() * flat.element_size()
+                if own:
+                    torch.cat(made.local.of(group), out=flat)
+                if not own or cast:  # the full parameters are views of the buffer
+                    full.update(made.full)
+                if rt.world_size > 1:
+                    broadcasts.append((flat, owner))
 
-        def launch(async_op: bool) -> List[Any]:
-            return [comm.broadcast(t, src=src, async_op=async_op) for t, src in broadcasts]
+            def launch(async_op: bool) -> List[Any]:
+                return [comm.broadcast(t, src=src, async_op=async_op) for t, src in broadcasts]
 
-        handle = rt.streams.issue(GATHER, launch, async_op)
+            handle = rt.streams.issue(GATHER, launch, async_op)
+        except BaseException:
+            self._forget(buffers)
+            raise
         return PendingBroadcast(full, handle, buffers, nbytes)
 
     def wait_for_unshard(self, pending: PendingBroadcast) -> None:
         """Wait for the broadcasts; the layers hold their views until ``reshard``."""
-        self.runtime.streams.wait(pending.handle)
+        self._wait(pending)
         self._buffers, self._nbytes = pending.buffers, pending.nbytes
         self.set_full(pending.full)
 
     def discard(self, pending: PendingBroadcast) -> None:
         """Forget a prefetch that will not be used, once its broadcasts have finished."""
-        self.runtime.streams.wait(pending.handle)
+        self._wait(pending)
         for buffer in pending.buffers:
             free(buffer)
         self.runtime.stats.live_bytes -= pending.nbytes
+
+    def _wait(self, pending: PendingBroadcast) -> None:
+        try:
+            self.runtime.streams.wait(pending.handle)
+        except BaseException:
+            self._forget(pending.buffers)
+            raise
+
+    def _forget(self, failed: List[torch.Tensor]) -> None:
+        """After an error in an unshard (a collective or a copy that raised): the next unshard
+        makes new buffers. These are dropped, not freed, since a collective may still be
+        writing them ([Note: buffers made once]); their memory goes with the last reference."""
+        for flat in failed:
+            self.runtime.stats.live_bytes -= flat.numel() * flat.element_size()
+        self._made = [
+            None if made is not None and any(made.holds(f) for f in failed) else made
+            for made in self._made
+        ]
 
     def on_reshard(self) -> None:
         for buffer in self._buffers:
@@ -178,6 +200,10 @@ class _GroupBuffer:
 
     def fits(self, dtype: torch.dtype, device: torch.device) -> bool:
         return self.dtype == dtype and self.device == device
+
+    def holds(self, tensor: torch.Tensor) -> bool:
+        """Whether ``tensor`` is this group's buffer."""
+        return self._flat is tensor
 
     def __deepcopy__(self, memo: Dict[int, object]) -> None:
         return None  # a copy makes its own at its first unshard
