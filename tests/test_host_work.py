@@ -132,3 +132,31 @@ def test_an_unshard_that_raises_leaves_the_next_step_whole() -> None:
     for per_rank in run_distributed(_after_a_failed_unshard, 2):
         for name, (loss, held) in per_rank.items():
             assert torch.isfinite(torch.tensor(loss)) and held == 0, (name, loss, held)
+
+
+def _copied_after_a_step(rank: int, world_size: int) -> Dict[str, Any]:
+    """Per strategy: a wrapper copied after a step, then both step alike: their next losses."""
+    import copy
+
+    seen: Dict[str, Any] = {}
+    x, y = global_batch(0, 2 * world_size, 8, 67)
+    x, y = local_slice(x, rank, world_size), local_slice(y, rank, world_size)
+    for name, wrapped in _wrapped(world_size).items():
+        lm_loss(wrapped(x), y).backward()  # every unit has made its buffers
+        twin = copy.deepcopy(wrapped)
+        losses = []
+        for model in (wrapped, twin, wrapped):  # the original again: untouched by the copy
+            model.zero_grad(set_to_none=True)
+            loss = lm_loss(model(x), y)
+            loss.backward()
+            losses.append(loss.item())
+        seen[name] = losses
+    return seen
+
+
+def test_a_copy_made_after_a_step_makes_buffers_of_its_own() -> None:
+    # Buffers made once must not travel with a copy (copy.deepcopy of the wrapper): the copy
+    # would gather into the original's memory. Same weights, same batch: the same losses.
+    for per_rank in run_distributed(_copied_after_a_step, 2):
+        for name, losses in per_rank.items():
+            assert losses[0] == losses[1] == losses[2], (name, losses)

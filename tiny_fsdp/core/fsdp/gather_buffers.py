@@ -53,14 +53,7 @@ class GatherBuffers:
             free(self.padded)
         self.local = LocalViews(flat=True)  # the flat shards this rank sends
 
-    def fits(self, dtype: torch.dtype, device: torch.device) -> bool:
-        """Whether these buffers hold a gather in ``dtype`` on ``device``."""
-        return self.out.dtype == dtype and self.out.device == device
-
     @property
     def full_tensor(self) -> torch.Tensor:
         """The buffer the full tensors view: the output (one tensor) or the copy-out."""
         return self.out if self.padded is None else self.padded
-
-    def __deepcopy__(self, memo: Dict[int, object]) -> None:
-        return None  # a copy makes its own at its first unshard

@@ -39,7 +39,8 @@ step time and 1.03 x our DDP's, ZeRO-3 at 0.90 x FSDP2 and 1.01 x DDP (median of
 ratios, load average 1.6-2.0 on 2 cores; 4 ranks: 0.92, 1.02, 0.91, 1.03).
 """
 
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+import functools
+from typing import Any, Dict, List, Sequence, Tuple
 
 import torch
 from torch import nn
@@ -51,7 +52,7 @@ from tiny_fsdp.core.fsdp.state import FSDPState
 from tiny_fsdp.core.full_unit import FullUnit, copied_model_error
 from tiny_fsdp.core.unit_layout import grouped, unit_params
 from tiny_fsdp.core.streams import GATHER, CommHandle, Launch
-from tiny_fsdp.core.utils.storage import allocate, free, holds_memory
+from tiny_fsdp.core.utils.storage import MadeOnce, allocate, free, holds_memory
 
 # One collective per group: (handle, the group's buffers, whose output is allocated).
 PendingGather = List[Tuple[CommHandle, GatherBuffers]]
@@ -77,7 +78,7 @@ class GatherUnit(FullUnit):
         shards = unit_params(self.layers)  # each once
         # A collective has one dtype: tensors of one dtype travel together (or each alone).
         self.groups = grouped(shards, lambda param: param.dtype, per_tensor)
-        self._buffers: List[Optional[GatherBuffers]] = [None] * len(self.groups)
+        self._buffers: MadeOnce[GatherBuffers] = MadeOnce(len(self.groups))
         self._full_bytes = 0
 
     def gathered_numel(self) -> int:
@@ -158,25 +159,20 @@ class GatherUnit(FullUnit):
         self._full_bytes = 0
 
     def _forget(self, failed: List[GatherBuffers]) -> None:
-        """After an error in an unshard (a collective or a copy that raised): the next unshard
-        makes new buffers. These are dropped, not freed, since a collective may still be
-        writing them ([Note: buffers made once]); their memory goes with the last reference."""
+        """After an error in an unshard (a collective or a copy that raised): uncount these
+        buffers and make new ones next time ([Note: buffers made once])."""
         for buffers in failed:
             for tensor in (buffers.out, buffers.padded):
                 if holds_memory(tensor):
                     self.state.track_gathered(-_nbytes(tensor))
-            self._buffers = [None if b is buffers else b for b in self._buffers]
+        self._buffers.forget(failed)
 
     def _group_buffers(self, index: int, group: List[nn.Parameter]) -> GatherBuffers:
-        """Group ``index``'s buffers, made at its first unshard (or when its dtype or device
-        changed)."""
-        dtype = self.state.gather_dtype(group[0].dtype)
-        buffers = self._buffers[index]
-        if buffers is None or not buffers.fits(dtype, group[0].device):
-            state = self.state
-            buffers = GatherBuffers(group, state.world_size, state.rank, dtype, group[0].device)
-            self._buffers[index] = buffers
-        return buffers
+        """Group ``index``'s buffers ([Note: buffers made once])."""
+        state, device = self.state, group[0].device
+        dtype = state.gather_dtype(group[0].dtype)
+        make = functools.partial(GatherBuffers, group, state.world_size, state.rank, dtype, device)
+        return self._buffers.get(index, (dtype, device), make)
 
 
 def _all_gather(out: torch.Tensor, flat: torch.Tensor, groups: Any) -> Launch:

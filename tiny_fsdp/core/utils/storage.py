@@ -18,7 +18,10 @@ collective or a copy) drops its group's buffers instead of freeing them, since a
 still write them; the next unshard makes new ones. A full tensor handed to a layer
 holds no memory after the reshard (its storage is empty), as a dropped tensor would not.
 
-``LocalViews`` keeps views of a group's local parameters, made again when a parameter's memory
+``MadeOnce`` keeps a unit's buffers, per group: made at the first unshard, again where the gather
+dtype or the device changed, after an unshard that raised, and in a copy of the wrapper
+(``copy.deepcopy``), which must not gather into the original's memory. ``LocalViews`` keeps
+views of a group's local parameters, made again when a parameter's memory
 moved (``param.data`` replaced: a dtype or device change), which ``data_ptr`` shows: the kept
 views pin the old memory, so a new tensor cannot reuse its address.
 
@@ -26,11 +29,42 @@ Buffers are made outside ``inference_mode`` even when the first unshard runs ins
 ``generate()``): an inference tensor could not be written in the next training step.
 """
 
-from typing import List, Optional, Sequence
+from typing import Any, Callable, Dict, Generic, Iterator, List, Optional, Sequence, TypeVar
 
 import torch
 
 from tiny_fsdp.core.utils import huge_pages
+
+B = TypeVar("B")
+
+
+class MadeOnce(Generic[B]):
+    """A unit's buffers, one entry per group, made at the group's first unshard and made again
+    where its key (the gather dtype and the device) changed, or after ``forget`` (an unshard
+    that raised). A copy of the unit (``copy.deepcopy``) starts without any."""
+
+    def __init__(self, groups: int) -> None:
+        self._made: List[Optional[B]] = [None] * groups
+        self._keys: List[Any] = [None] * groups
+
+    def get(self, index: int, key: Any, make: Callable[[], B]) -> B:
+        """Group ``index``'s buffers for ``key``, made by ``make()`` if need be."""
+        made = self._made[index]
+        if made is None or self._keys[index] != key:
+            made = self._made[index] = make()
+            self._keys[index] = key
+        return made
+
+    def forget(self, failed: Sequence[B]) -> None:
+        """Make these again at their next unshard: dropped, not freed, since a collective may
+        still write them; their memory goes with the last reference."""
+        self._made = [None if any(m is f for f in failed) else m for m in self._made]
+
+    def __iter__(self) -> Iterator[B]:
+        return (made for made in self._made if made is not None)
+
+    def __deepcopy__(self, memo: Dict[int, Any]) -> "MadeOnce[B]":
+        return MadeOnce(len(self._made))
 
 
 def allocate(tensor: torch.Tensor) -> torch.Tensor:

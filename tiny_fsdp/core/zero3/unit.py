@@ -42,6 +42,7 @@ its own tensors (with a cast copy under mixed precision). With ``unit="tensor"``
 has its own broadcast, as the first ZeRO-3 here did.
 """
 
+import functools
 from dataclasses import dataclass
 from typing import Any, Dict, List, Optional, Sequence
 
@@ -52,7 +53,7 @@ from tiny_fsdp.core import comm
 from tiny_fsdp.core.full_unit import FullUnit, copied_model_error
 from tiny_fsdp.core.streams import GATHER, CommHandle
 from tiny_fsdp.core.unit_layout import grouped, unit_params
-from tiny_fsdp.core.utils.storage import LocalViews, allocate, free
+from tiny_fsdp.core.utils.storage import LocalViews, MadeOnce, allocate, free
 from tiny_fsdp.core.zero3.runtime import ATTR, TensorInfo, Zero3Runtime, owner_and_dtype
 
 
@@ -62,8 +63,7 @@ class PendingBroadcast:
 
     full: Dict[int, torch.Tensor]  # id(local parameter) -> full tensor
     handle: CommHandle  # the unit's broadcasts ([Note: communication streams])
-    buffers: List[torch.Tensor]  # allocated for this fetch (received, or the owner's send copies)
-    nbytes: int  # their bytes
+    buffers: List["_GroupBuffer"]  # allocated for this fetch (received, or the owner's sends)
 
 
 class BroadcastUnit(FullUnit):
@@ -79,15 +79,14 @@ class BroadcastUnit(FullUnit):
         super().__init__(name, layers, runtime)
         self.runtime = runtime  # the state, typed
         self.groups = grouped(unit_params(self.layers), owner_and_dtype, per_tensor)
-        self._made: List[Optional[_GroupBuffer]] = [None] * len(self.groups)
-        self._buffers: List[torch.Tensor] = []  # of the current fetch, freed at reshard
-        self._nbytes = 0
+        self._made: MadeOnce[_GroupBuffer] = MadeOnce(len(self.groups))
+        self._buffers: List[_GroupBuffer] = []  # allocated for the current fetch, freed at reshard
 
     def unshard(self, async_op: bool) -> PendingBroadcast:
         """Issue the unit's broadcasts; the result is valid after ``wait_for_unshard``."""
         rt = self.runtime
         full: Dict[int, torch.Tensor] = {}
-        broadcasts, buffers, nbytes = [], [], 0
+        broadcasts, buffers = [], []
         try:
             for index, group in enumerate(self.groups):
                 owner, dtype = _info(group[0]).owner, rt.gather_dtype(group[0].dtype)
@@ -103,8 +102,7 @@ class BroadcastUnit(FullUnit):
                 # A buffer: to send the owned tensors concatenated (and cast), or to receive.
                 flat = allocate(made.flat)
                 rt.stats.add(flat)
-                buffers.append(flat)
-                nbytes += flat.numel() * flat.element_size()
+                buffers.append(made)
                 if own:
                     torch.cat(made.local.of(group), out=flat)
                 if not own or cast:  # the full parameters are views of the buffer
@@ -119,20 +117,18 @@ class BroadcastUnit(FullUnit):
         except BaseException:
             self._forget(buffers)
             raise
-        return PendingBroadcast(full, handle, buffers, nbytes)
+        return PendingBroadcast(full, handle, buffers)
 
     def wait_for_unshard(self, pending: PendingBroadcast) -> None:
         """Wait for the broadcasts; the layers hold their views until ``reshard``."""
         self._wait(pending)
-        self._buffers, self._nbytes = pending.buffers, pending.nbytes
+        self._buffers = pending.buffers
         self.set_full(pending.full)
 
     def discard(self, pending: PendingBroadcast) -> None:
         """Forget a prefetch that will not be used, once its broadcasts have finished."""
         self._wait(pending)
-        for buffer in pending.buffers:
-            free(buffer)
-        self.runtime.stats.live_bytes -= pending.nbytes
+        self._free(pending.buffers)
 
     def _wait(self, pending: PendingBroadcast) -> None:
         try:
@@ -141,33 +137,28 @@ class BroadcastUnit(FullUnit):
             self._forget(pending.buffers)
             raise
 
-    def _forget(self, failed: List[torch.Tensor]) -> None:
-        """After an error in an unshard (a collective or a copy that raised): the next unshard
-        makes new buffers. These are dropped, not freed, since a collective may still be
-        writing them ([Note: buffers made once]); their memory goes with the last reference."""
-        for flat in failed:
-            self.runtime.stats.live_bytes -= flat.numel() * flat.element_size()
-        self._made = [
-            None if made is not None and any(made.holds(f) for f in failed) else made
-            for made in self._made
-        ]
+    def _forget(self, failed: List["_GroupBuffer"]) -> None:
+        """After an error in an unshard (a collective or a copy that raised): uncount these
+        buffers and make new ones next time ([Note: buffers made once])."""
+        self.runtime.stats.live_bytes -= sum(made.nbytes for made in failed)
+        self._made.forget(failed)
 
     def on_reshard(self) -> None:
-        for buffer in self._buffers:
-            free(buffer)
-        self.runtime.stats.live_bytes -= self._nbytes
-        self._buffers, self._nbytes = [], 0
+        self._free(self._buffers)
+        self._buffers = []
+
+    def _free(self, buffers: List["_GroupBuffer"]) -> None:
+        for made in buffers:
+            free(made.flat)
+        self.runtime.stats.live_bytes -= sum(made.nbytes for made in buffers)
 
     def _group_buffer(
         self, index: int, group: List[nn.Parameter], dtype: torch.dtype
     ) -> "_GroupBuffer":
-        """Group ``index``'s buffer, made at its first unshard (again if its dtype or device
-        changed)."""
-        made = self._made[index]
-        if made is None or not made.fits(dtype, group[0].device):
-            made = _GroupBuffer(group, dtype, group[0].device)
-            self._made[index] = made
-        return made
+        """Group ``index``'s buffer ([Note: buffers made once])."""
+        device = group[0].device
+        make = functools.partial(_GroupBuffer, group, dtype, device)
+        return self._made.get(index, (dtype, device), make)
 
 
 class _GroupBuffer:
@@ -198,15 +189,10 @@ class _GroupBuffer:
             self._flat = flat
         return self._flat
 
-    def fits(self, dtype: torch.dtype, device: torch.device) -> bool:
-        return self.dtype == dtype and self.device == device
-
-    def holds(self, tensor: torch.Tensor) -> bool:
-        """Whether ``tensor`` is this group's buffer."""
-        return self._flat is tensor
-
-    def __deepcopy__(self, memo: Dict[int, object]) -> None:
-        return None  # a copy makes its own at its first unshard
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the buffer while it holds memory."""
+        return self.flat.numel() * self.flat.element_size()
 
 
 def _info(param: nn.Parameter) -> TensorInfo:
