@@ -9,11 +9,13 @@ FSDP. Every rank also trains the single-device reference on the whole global bat
 
 import argparse
 import contextlib
-from typing import Callable, Dict, Optional
+import weakref
+from typing import Callable, Dict, List, Optional
 
 import pytest
 import torch
 from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from example.model import GPTConfigs
 from example.trainer import lr_at
@@ -338,6 +340,41 @@ def test_single_device_bf16_computes_in_bf16_keeps_fp32_masters() -> None:
     with pytest.raises(ValueError, match="already has"):  # a strategy handler is not replaced
         model.lm_head.param_handler = object.__new__(type("Other", (ParamHandler,), {}))
         apply_mixed_precision(model, BF16)
+
+
+class _WeightCasts(TorchDispatchMode):
+    """Weak references to the copies of ``params`` cast to another dtype, in making order."""
+
+    def __init__(self, params: List[torch.Tensor]) -> None:
+        super().__init__()
+        self.addresses = {p.data_ptr() for p in params}
+        self.made: List[weakref.ref] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
+        out = func(*args, **(kwargs or {}))
+        if func is torch.ops.aten._to_copy.default and args[0].data_ptr() in self.addresses:
+            self.made.append(weakref.ref(out))
+        return out
+
+    def alive(self) -> int:
+        return sum(ref() is not None for ref in self.made)
+
+
+def test_single_device_bf16_casts_each_weight_once_a_step_and_keeps_no_cast() -> None:
+    # As torch.autocast: the forward's casts are kept in the graph for the backward (which
+    # casts nothing), and dropped by it; a forward that records no graph keeps none.
+    model = apply_mixed_precision(convert_module(make_model(0, CONFIG)), BF16)
+    x, y = global_batch(0, 2, SEQ, CONFIG.vocab_size)
+    with torch.no_grad(), _WeightCasts(list(model.parameters())) as casts:
+        logits = model(x)
+    per_forward = len(casts.made)
+    assert per_forward >= len(list(model.parameters())) and casts.alive() == 0
+    with _WeightCasts(list(model.parameters())) as casts:
+        loss = lm_loss(model(x).float(), y)
+        assert casts.alive() == per_forward  # kept for the backward
+        loss.backward()
+    assert len(casts.made) == per_forward and casts.alive() == 0  # loss (and graph) still alive
+    del logits, loss
 
 
 def test_lr_schedule_warmup_then_cosine() -> None:

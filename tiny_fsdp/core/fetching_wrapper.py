@@ -11,9 +11,10 @@ read outside their layer ([Note: outside reads]), and warns of those read outsid
 """
 
 import math
-from typing import Any, Callable, List
+from typing import Any, Callable, List, Optional, Tuple
 
 import torch
+from torch import nn
 
 from tiny_fsdp.core.full_unit import FullUnit
 from tiny_fsdp.core.loss_reads import LocalGradWatch
@@ -57,6 +58,7 @@ class FetchingWrapper(DataParallelWrapper):
             if name != "<root>" and len(layers) > 1:  # [Note: unit module events]
                 watch_unit_module(self.module.get_submodule(name), full_unit, grads)
         self._prefetcher = state
+        self._named_params: Optional[List[Tuple[str, nn.Parameter]]] = None  # listed at forward
         self._reads = OutsideReadWatch(self.module)
         state.grad_watch = LocalGradWatch(self.module, type(self).__name__)
 
@@ -73,17 +75,21 @@ class FetchingWrapper(DataParallelWrapper):
     def after_copy(self) -> None:
         for grads in self._prefetcher.unit_grads:
             grads.forget_layout()  # laid out by the original's parameters' ids
+        self._named_params = None
         self._reads = OutsideReadWatch(self.module)
         # A copy's parameters come without hooks: watch them anew.
         self._prefetcher.grad_watch = LocalGradWatch(self.module, type(self).__name__)
 
     def before_load(self) -> None:
         self._prefetcher.drop_transients()  # full / prefetched parameters would go stale
+        self._named_params = None  # a load with assign=True replaces parameters
 
     @eager  # [Note: torch.compile]
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         if torch.is_grad_enabled():
-            check_no_param_hooks(self.module, type(self).__name__)
+            if self._named_params is None:
+                self._named_params = list(self.module.named_parameters())
+            check_no_param_hooks(self._named_params, type(self).__name__)
             self._prefetcher.grad_watch.note_grads()  # [Note: parameters in the loss]
         self._prefetcher.pre_forward(self.enable_async_communication, torch.is_grad_enabled())
         try:

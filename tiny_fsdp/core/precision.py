@@ -115,11 +115,14 @@ def cast_inputs(args: Tuple[Any, ...], kwargs: dict, dtype: torch.dtype) -> Tupl
 class MixedPrecisionHandler(ParamHandler):
     """Single-device mixed precision: cast copies in, gradients cast to ``reduce_dtype`` out.
 
-    ``fetch``: the layer's parameters cast to ``param_dtype`` (a fresh copy per call, dropped
-    after the callback). ``reduce_grads``: the ``param_dtype`` gradients cast to
-    ``reduce_dtype`` (nothing to reduce on one device); autograd accumulates them into the fp32
-    ``.grad``.
+    ``fetch``: the layer's parameters cast to ``param_dtype``, once per forward: the layer
+    keeps the cast for its backward (``reuses_forward_fetch``, [Note: callback layers]), as
+    ``torch.autocast`` keeps its casts in the graph. ``reduce_grads``: the ``param_dtype``
+    gradients cast to ``reduce_dtype`` (nothing to reduce on one device); autograd accumulates
+    them into the fp32 ``.grad``.
     """
+
+    reuses_forward_fetch = True
 
     def __init__(self, policy: MixedPrecisionPolicy) -> None:
         self.policy = policy

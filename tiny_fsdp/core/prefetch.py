@@ -22,6 +22,9 @@ it). Only passes whose forward has grad enabled have a BACKWARD part.
   i of its part's order unshards the units at i+1 .. i+``prefetch_limit`` asynchronously, at
   most ``prefetch_limit`` of them unconsumed at any time, so that they travel while unit i
   computes; the next fetch of such a unit waits for its pending unshard instead of issuing one.
+  A unit nothing prefetched (the first of a forward) is unsharded asynchronously as well and
+  waited for once its own prefetches are issued, so those travel while it does (its copy-out,
+  [Note: buffers made once], then briefly coexists with their gather buffers).
   In a forward with grad enabled the backward order continues the forward one, so the last
   forward fetches already prefetch the first backward units. Every rank makes the same
   decisions from the same order, so the collectives stay matched.
@@ -167,15 +170,26 @@ class Prefetcher:
 
     # ---------------------------------------------------------------- fetch
     def fetch(self, unit: Unit, phase: TrainingPhase) -> None:
-        """Make ``unit`` full (its prefetch, or a blocking unshard), then prefetch what follows."""
+        """Make ``unit`` full (its prefetch, or an unshard issued now), prefetch what follows.
+
+        A prefetched unit is waited for first, then the next ones are prefetched (FSDP2's
+        order). A unit nothing prefetched (the first of a forward) is unsharded asynchronously
+        with prefetch on and waited for once the next ones are issued, so that they travel
+        while it does; the same collectives in the same order either way."""
+        issued = None  # an unshard issued here: waited for after the prefetches
         if not unit.is_unsharded:
-            pending = self.take_prefetched(unit)
-            unit.wait_for_unshard(self._unshard(unit, False) if pending is None else pending)
+            prefetched = self.take_prefetched(unit)
+            if prefetched is None:
+                issued = self._unshard(unit, self._prefetch)
+            else:
+                unit.wait_for_unshard(prefetched)
         if self._in_forward:
             self._after_fetch(unit, FORWARD)
         elif self._grad_forward:  # backward, or a recomputation inside it
             guessed = self._backward_guessed and phase is FORWARD
             self._after_fetch(unit, BACKWARD, prefetch=not guessed)
+        if issued is not None:
+            unit.wait_for_unshard(issued)
 
     def take_prefetched(self, unit: Unit) -> Optional[Any]:
         """The pending unshard of ``unit`` issued by a prefetch (now consumed), or None."""
@@ -202,8 +216,8 @@ class Prefetcher:
         for upcoming in ahead:
             if len(self._pending) >= self.prefetch_limit:
                 break
-            if upcoming.is_unsharded or upcoming in self._pending:
-                continue
+            if upcoming is unit or upcoming.is_unsharded or upcoming in self._pending:
+                continue  # ``unit`` itself may still be on its way (``fetch``)
             self._pending[upcoming] = self._unshard(upcoming, True)
 
     def _unshard(self, unit: Unit, async_op: bool) -> Any:

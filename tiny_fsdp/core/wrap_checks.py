@@ -1,6 +1,6 @@
 """Checks every strategy runs on a model at wrap time ([Note: wrap-time checks] in wrapper.py)."""
 
-from typing import Any
+from typing import Any, Iterable, Tuple
 
 from torch import nn
 from torch.nn.parameter import is_lazy
@@ -105,18 +105,20 @@ def check_no_max_norm_embeddings(module: nn.Module, what: str) -> None:
             )
 
 
-def check_no_param_hooks(module: nn.Module, what: str) -> None:
-    """Raise if a parameter of a sharding strategy's model has a gradient hook.
+def check_no_param_hooks(named_params: Iterable[Tuple[str, nn.Parameter]], what: str) -> None:
+    """Raise if one of a sharding strategy's parameters (``named_parameters()`` of its model)
+    has a gradient hook.
 
     Under FSDP and ZeRO-3 a layer computes the gradient of the full tensor it was given, and the
     strategy reduces it into each rank's part at the end of the backward: autograd would call a
     ``register_hook`` hook of the local parameter with None, a post-accumulate-grad hook before
     ``.grad`` is set (FSDP2 skips the former silently). Checked before each forward that
-    records a graph (a hook registered after wrapping counts too).
+    records a graph (a hook registered after wrapping counts too), on the list of parameters
+    the wrapper made once (the walk of the modules took longer than the check).
     """
     hooked = [
         name
-        for name, param in module.named_parameters()
+        for name, param in named_params
         if param._backward_hooks
         or any(
             not is_loss_read_hook(hook)  # the strategy's own ([Note: parameters in the loss])

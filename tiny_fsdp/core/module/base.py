@@ -7,7 +7,8 @@ same constructor, parameters and ``state_dict`` keys. Its ``forward`` calls ``cl
 
 1. forward: ``ctx.params = handler.fetch(module, FORWARD)``, then
    ``out = module.forward_callback(ctx, *inputs)``, then ``handler.release(module, FORWARD)``;
-2. backward: ``ctx.params = handler.fetch(module, BACKWARD)``, then
+2. backward: ``ctx.params = handler.fetch(module, BACKWARD)`` (or the forward's, kept, when
+   the handler says ``reuses_forward_fetch``), then
    ``grad_inputs, grad_params = module.backward_callback(ctx, grad_output)``, then
    ``handler.release(module, BACKWARD)`` and
    ``handler.reduce_grads(module, grad_params)`` gives the local parameters' gradients, which
@@ -16,7 +17,11 @@ same constructor, parameters and ``state_dict`` keys. Its ``forward`` calls ``cl
 
 ``FORWARD`` and ``BACKWARD`` are the members of ``TrainingPhase``. ``ctx.params`` holds the full
 parameters only for the duration of one callback, so a strategy that frees them after use is never
-defeated by a stray reference. ``ctx.param_needs_grad`` says which parameter gradients are wanted
+defeated by a stray reference. The exception is a handler whose fetch makes copies that stay valid
+(single-device mixed precision's casts): with ``reuses_forward_fetch`` the forward's are kept in
+the graph for the layer's backward, one cast per step as ``torch.autocast`` (which also keeps its
+casts in the graph), and dropped by the backward or with the graph; a forward that records no
+graph keeps nothing. ``ctx.param_needs_grad`` says which parameter gradients are wanted
 (frozen parameters and absent biases get ``None``). The layer math lives only in the callbacks;
 strategies only provide the handler (see [Note: param handler]).
 
@@ -60,6 +65,8 @@ class CallbackFunction(torch.autograd.Function):
         finally:
             if span is not None:
                 rec.end(span)
+            reuse = handler.reuses_forward_fetch and any(ctx.needs_input_grad)
+            ctx.forward_params = ctx.params if reuse else None
             del ctx.params
             handler.release(module, TrainingPhase.FORWARD)
         return out
@@ -79,7 +86,8 @@ class CallbackFunction(torch.autograd.Function):
         handler = module.param_handler
         needs_grad = ctx.param_needs_grad
         ctx.param_needs_grad = _accumulated_this_backward(ctx, needs_grad)
-        ctx.params = handler.fetch(module, TrainingPhase.BACKWARD)
+        kept, ctx.forward_params = ctx.forward_params, None
+        ctx.params = handler.fetch(module, TrainingPhase.BACKWARD) if kept is None else kept
         rec = _trace.ACTIVE
         span = None if rec is None else rec.begin_layer(module, "backward")
         try:

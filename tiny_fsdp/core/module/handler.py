@@ -47,7 +47,14 @@ class TrainingPhase(enum.Enum):
 
 
 class ParamHandler:
-    """Single-device behaviour: local parameters are the full parameters, gradients pass through."""
+    """Single-device behaviour: local parameters are the full parameters, gradients pass through.
+
+    ``reuses_forward_fetch``: the layer may keep what the forward ``fetch`` returned for its
+    backward instead of fetching again ([Note: callback layers]): only for a handler whose
+    fetch makes copies the backward may use (never one that frees or regathers them).
+    """
+
+    reuses_forward_fetch = False
 
     def fetch(self, module: nn.Module, phase: TrainingPhase) -> Params:
         return tuple(getattr(module, name) for name in module.param_names)
