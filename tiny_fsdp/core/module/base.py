@@ -42,7 +42,12 @@ from typing import Any, ContextManager, Optional, Sequence, Tuple
 import torch
 from torch import nn
 
-from tiny_fsdp.core.module.handler import LOCAL_HANDLER, ParamHandler, TrainingPhase
+from tiny_fsdp.core.module.handler import (
+    LOCAL_HANDLER,
+    ParamHandler,
+    TrainingPhase,
+    layer_params,
+)
 from tiny_fsdp.core.utils.engine import will_run
 from tiny_fsdp.trace import recorder as _trace
 
@@ -55,6 +60,7 @@ class CallbackFunction(torch.autograd.Function):
         local_params = args[n_inputs:]
         handler = module.param_handler
         ctx.module = module
+        ctx.param_present = tuple(p is not None for p in local_params)
         ctx.param_needs_grad = tuple(p is not None and p.requires_grad for p in local_params)
         ctx.autocast = _autocast_state(args)
         ctx.params = handler.fetch(module, TrainingPhase.FORWARD)
@@ -109,8 +115,7 @@ class CallbackFunction(torch.autograd.Function):
 def _accumulated_this_backward(ctx: Any, needs_grad: Tuple[bool, ...]) -> Tuple[bool, ...]:
     """Which of the layer's parameters this backward accumulates a gradient into ([Note:
     backward for inputs only]: the others are neither computed nor reduced)."""
-    module = ctx.module
-    present = [getattr(module, name) is not None for name in module.param_names]
+    present = ctx.param_present
     # One (node, input index) per tensor argument of forward; the parameters come last.
     edges = iter(ctx.next_functions[len(ctx.next_functions) - sum(present) :])
     return tuple(
@@ -118,7 +123,8 @@ def _accumulated_this_backward(ctx: Any, needs_grad: Tuple[bool, ...]) -> Tuple[
     )
 
 
-AutocastState = Optional[Tuple[str, bool, torch.dtype]]  # (device type, enabled, dtype)
+# (device type, enabled, dtype: None when disabled, a dtype that does not apply then)
+AutocastState = Optional[Tuple[str, bool, Optional[torch.dtype]]]
 
 
 def _autocast_state(args: Sequence[Any]) -> AutocastState:
@@ -139,8 +145,9 @@ def _autocast_as_in_forward(state: AutocastState) -> ContextManager:
 
 
 def _autocast_state_of(device_type: str) -> AutocastState:
-    enabled = torch.is_autocast_enabled(device_type)
-    return device_type, enabled, torch.get_autocast_dtype(device_type)
+    if not torch.is_autocast_enabled(device_type):
+        return device_type, False, None
+    return device_type, True, torch.get_autocast_dtype(device_type)
 
 
 def _in_dtype_of(
@@ -180,8 +187,7 @@ class CallbackModule(nn.Module):
         cls.function = type(f"{cls.__name__}Function", (CallbackFunction,), {})
 
     def forward(self, *inputs: torch.Tensor) -> torch.Tensor:
-        local_params = tuple(getattr(self, name) for name in self.param_names)
-        return self.function.apply(self, len(inputs), *inputs, *local_params)
+        return self.function.apply(self, len(inputs), *inputs, *layer_params(self))
 
     def forward_callback(self, ctx: Any, *inputs: torch.Tensor) -> torch.Tensor:
         """Compute the output from ``inputs`` and ``ctx.params``; save what backward needs."""

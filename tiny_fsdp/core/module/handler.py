@@ -46,6 +46,15 @@ class TrainingPhase(enum.Enum):
     BACKWARD = "backward"
 
 
+def layer_params(module: nn.Module) -> Params:
+    """``module``'s parameters in ``param_names`` order (None for an absent bias), read from
+    its registered parameters without ``nn.Module.__getattr__`` (a layer's hot path)."""
+    params = module._parameters
+    return tuple(
+        params[name] if name in params else getattr(module, name) for name in module.param_names
+    )
+
+
 class ParamHandler:
     """Single-device behaviour: local parameters are the full parameters, gradients pass through.
 
@@ -57,7 +66,7 @@ class ParamHandler:
     reuses_forward_fetch = False
 
     def fetch(self, module: nn.Module, phase: TrainingPhase) -> Params:
-        return tuple(getattr(module, name) for name in module.param_names)
+        return layer_params(module)
 
     def release(self, module: nn.Module, phase: TrainingPhase) -> None:
         pass
