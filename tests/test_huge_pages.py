@@ -9,7 +9,6 @@ from pathlib import Path
 import pytest
 import torch
 
-from tiny_fsdp.core.module import Embedding
 from tiny_fsdp.core.utils import huge_pages
 
 THP = Path("/sys/kernel/mm/transparent_hugepage/enabled")
@@ -51,25 +50,3 @@ def test_a_large_cpu_buffer_faults_in_huge_pages() -> None:
     page = 2 * 2**20
     first_whole_page = -(-tensor.data_ptr() // page) * page  # advised from there on
     assert _huge_page_kib(first_whole_page) >= 2048, "no 2 MiB page behind the buffer"
-
-
-@pytest.mark.skipif(
-    not sys.platform.startswith("linux") or not THP.exists() or "[never]" in THP.read_text(),
-    reason="needs Linux with transparent huge pages",
-)
-def test_the_embedding_layers_dense_gradient_faults_in_huge_pages() -> None:
-    # A vocabulary-sized gradient made anew in every backward, at its very end.
-    embedding = Embedding(70_000, 256)  # 68 MiB
-    idx = torch.tensor([[3, 69_999, 3]])
-    embedding(idx).sum().backward()
-    grad = embedding.weight.grad  # autograd keeps the layer's tensor as .grad
-    page = 2 * 2**20
-    assert _huge_page_kib(-(-grad.data_ptr() // page) * page) >= 2048
-    expected = torch.zeros(70_000, 256)
-    expected[3], expected[69_999] = 2.0, 1.0
-    assert torch.equal(grad, expected)
-
-
-def test_zeros_is_torch_zeros() -> None:
-    tensor = huge_pages.zeros((3, 2_000_000), torch.float32, torch.device("cpu"))
-    assert torch.equal(tensor, torch.zeros(3, 2_000_000))

@@ -7,12 +7,9 @@ allocator hands the same memory back. On the CPU, glibc serves a block over 32 M
 ``mmap``, whose every 4 KiB page faults and is zeroed on first touch: on the 2-core development
 machine, allocating and filling 51 MB (GPT-2's embedding) took 34 ms, filling it again 5 ms.
 ``empty`` asks the kernel to back such a block with 2 MiB pages (``madvise(MADV_HUGEPAGE)``,
-what PyTorch does for every allocation under ``THP_MEM_ALLOC_ENABLE=1``): 9 ms. The same holds
-for other large transients made anew every step: the ``Embedding`` wrapper's dense gradient
-(``zeros``: 21 ms -> 3 ms for GPT-2's 51 MB, at the very end of every backward) and ZeRO-1/2's
-staging buffers. Nothing else changes (the same tensor, freed as before). Linux with
-transparent huge pages in ``madvise`` or ``always`` mode; elsewhere, or if the call fails, a
-plain ``torch.empty``.
+what PyTorch does for every allocation under ``THP_MEM_ALLOC_ENABLE=1``): 9 ms. Nothing else
+changes (the same tensor, freed as before). Linux with transparent huge pages in ``madvise`` or
+``always`` mode; elsewhere, or if the call fails, a plain ``torch.empty``.
 """
 
 import ctypes
@@ -35,13 +32,6 @@ def empty(
     tensor = torch.empty(shape, dtype=dtype, device=device)
     advise(tensor)
     return tensor
-
-
-def zeros(
-    shape: Union[int, Sequence[int]], dtype: torch.dtype, device: torch.device
-) -> torch.Tensor:
-    """``torch.zeros(shape, dtype, device)``, made as ``empty`` makes it."""
-    return empty(shape, dtype, device).zero_()
 
 
 def advise(tensor: torch.Tensor) -> None:

@@ -76,7 +76,6 @@ from torch import nn
 
 from tiny_fsdp.core import comm
 from tiny_fsdp.core.reductions import ReduceStats
-from tiny_fsdp.core.utils import huge_pages
 from tiny_fsdp.core.zero.flat_buffer import (
     Bucket,
     FlatBuffer,
@@ -365,8 +364,7 @@ class StagedGradShard(ZeroGradStore):
             param.grad = None
             return
         if staging is None:
-            # Made anew in every backward: [Note: huge pages for transient buffers].
-            staging = huge_pages.empty(bucket.numel, self.dtypes[bucket.group], self.device)
+            staging = torch.empty(bucket.numel, dtype=self.dtypes[bucket.group], device=self.device)
             self._allocated[slot.bucket] = staging.numel() * staging.element_size()
             self.stats.track(self._allocated[slot.bucket])
             end = self.layout.slots[bucket.slots[-1]]
