@@ -10,7 +10,7 @@ FSDP. Every rank also trains the single-device reference on the whole global bat
 import argparse
 import contextlib
 import weakref
-from typing import Callable, Dict, List, Optional
+from typing import Any, Callable, Dict, List, Optional
 
 import pytest
 import torch
@@ -350,7 +350,7 @@ class _WeightCasts(TorchDispatchMode):
         self.addresses = {p.data_ptr() for p in params}
         self.made: List[weakref.ref] = []
 
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         out = func(*args, **(kwargs or {}))
         if func is torch.ops.aten._to_copy.default and args[0].data_ptr() in self.addresses:
             self.made.append(weakref.ref(out))

@@ -51,9 +51,9 @@ def _wrapped(world_size: int) -> Dict[str, Any]:
     return {"fsdp": FSDP(make_model(0)), "zero3": Zero3(model, parts)}
 
 
-def _worker(rank: int, world_size: int) -> Dict[str, List[Tuple[int, int, int]]]:
-    """Per strategy and unit: (tensors, groups, ops of its second unshard)."""
-    seen: Dict[str, List[Tuple[int, int, int]]] = {}
+def _worker(rank: int, world_size: int) -> Dict[str, List[Tuple[int, int, int, List[str]]]]:
+    """Per strategy and unit: (tensors, groups, op count, ops) of its second unshard."""
+    seen: Dict[str, List[Tuple[int, int, int, List[str]]]] = {}
     for name, wrapped in _wrapped(world_size).items():
         seen[name] = []
         for unit in wrapped.units:

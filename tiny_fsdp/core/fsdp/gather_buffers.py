@@ -33,14 +33,13 @@ class GatherBuffers:
             infos = [shard_info(p) for p in group]
             self.sizes = [info.shard_numel for info in infos]
             numel = sum(self.sizes)
-            self.single = len(group) == 1
             self.out = torch.empty(world * numel, dtype=dtype, device=device)
             self.grid = self.out.view(world, numel)  # row r: rank r's shards, in group order
             self.own = self.grid[rank]  # this rank's chunk: its shards go straight in
             self.full: Dict[int, torch.Tensor] = {}  # id(param) -> full tensor
             self.blocks: List[torch.Tensor] = []  # per tensor: its (world, shard numel) block
             self.padded: Optional[torch.Tensor] = None
-            if self.single:
+            if len(group) == 1:
                 self.full[id(group[0])] = infos[0].full_view(self.out)
             else:
                 self.padded = torch.empty(world * numel, dtype=dtype, device=device)
@@ -52,6 +51,11 @@ class GatherBuffers:
         if self.padded is not None:
             free(self.padded)
         self.local = LocalViews(flat=True)  # the flat shards this rank sends
+
+    @property
+    def single(self) -> bool:
+        """A one-tensor group: no copy-out."""
+        return self.padded is None
 
     @property
     def full_tensor(self) -> torch.Tensor:

@@ -191,8 +191,8 @@ class _GroupBuffer:
 
     @property
     def nbytes(self) -> int:
-        """Bytes of the buffer while it holds memory."""
-        return self.flat.numel() * self.flat.element_size()
+        """Bytes of the buffer while it holds memory (without making it)."""
+        return sum(shape.numel() for shape in self.shapes) * self.dtype.itemsize
 
 
 def _info(param: nn.Parameter) -> TensorInfo:
