@@ -160,3 +160,68 @@ def test_a_copy_made_after_a_step_makes_buffers_of_its_own() -> None:
     for per_rank in run_distributed(_copied_after_a_step, 2):
         for name, losses in per_rank.items():
             assert losses[0] == losses[1] == losses[2], (name, losses)
+
+
+def _ddp_bf16_backward(rank: int, world_size: int) -> Dict[str, Any]:
+    """DDP under bf16 mixed precision: the casts one backward runs, its buckets, its gradients."""
+    from tiny_fsdp.core.ddp import DDP
+    from tiny_fsdp.core.precision import MixedPrecisionPolicy
+
+    model = DDP(make_model(0), mixed_precision=MixedPrecisionPolicy.from_name("bf16"))
+    x, y = global_batch(0, 2 * world_size, 8, 67)
+    loss = lm_loss(model(local_slice(x, rank, world_size)), local_slice(y, rank, world_size))
+    with _CountOps() as counter:
+        loss.backward()
+    params = list(model.parameters())
+    return {
+        "casts": counter.ops.count("aten._to_copy.default"),
+        "buckets": len(model.buckets),
+        "params": len(params),
+        "grad dtypes": {p.grad.dtype for p in params},
+        "grads": [p.grad.clone() for p in params],
+    }
+
+
+def test_ddp_mixed_precision_casts_a_bucket_of_averages_at_once() -> None:
+    # The bf16 averages of a bucket become fp32 gradients by one cast of the bucket (views of
+    # it are the .grad tensors), not one cast per parameter: a kernel each on a GPU. The rest
+    # of the backward casts once (the loss's fp32 logits). Both ranks hold the same averages.
+    first, second = run_distributed(_ddp_bf16_backward, 2)
+    for seen in (first, second):
+        assert seen["buckets"] < seen["params"], seen["buckets"]
+        assert seen["casts"] <= seen["buckets"] + 1, (seen["casts"], seen["buckets"])
+        assert seen["grad dtypes"] == {torch.float32}
+    assert all(torch.equal(a, b) for a, b in zip(first["grads"], second["grads"]))
+
+
+def _zero_bf16_step(rank: int, world_size: int) -> Dict[str, Any]:
+    """ZeRO-1/2 under bf16: the copies one optimizer step runs (the rule's foreach ops copy
+    nothing), and the buckets and pieces it writes back."""
+    from tiny_fsdp.core import zero
+    from tiny_fsdp.core.precision import MixedPrecisionPolicy
+
+    seen = {}
+    for stage in (1, 2):
+        policy = MixedPrecisionPolicy.from_name("bf16")
+        model = getattr(zero, f"Zero{stage}")(make_model(0), mixed_precision=policy)
+        optimizer = getattr(zero, f"Zero{stage}AdamW")(model.named_parameters(), fused=False)
+        x, y = global_batch(0, 2 * world_size, 8, 67)
+        lm_loss(
+            model(local_slice(x, rank, world_size)), local_slice(y, rank, world_size)
+        ).backward()
+        with _CountOps() as counter:
+            optimizer.step()
+        seen[stage] = (
+            counter.ops.count("aten.copy_.default"),
+            len(model.layout.buckets),
+            len(model.owned_pieces),
+        )
+    return seen
+
+
+def test_zero_mixed_precision_writes_back_a_bucket_of_masters_at_once() -> None:
+    # The updated fp32 masters go back into the bf16 parameters one copy per run of adjacent
+    # pieces (a bucket's chunk, when one optimizer steps them all), not one per piece.
+    for per_rank in run_distributed(_zero_bf16_step, 2):
+        for stage, (copies, buckets, pieces) in per_rank.items():
+            assert buckets < pieces and copies <= buckets, (stage, copies, buckets, pieces)

@@ -290,7 +290,9 @@ def _held_bytes(model: nn.Module, optimizer: Any) -> Dict[str, int]:
     params = _storages(*[p.data for p in model.parameters() if p.requires_grad])
     wrapper = _storages(model, *[p.grad for p in model.parameters()])
     optim = _storages(optimizer)
-    grads = {k: v for k, v in wrapper.items() if k not in params}
+    # The fp32 masters live in the wrapper, shared by its optimizers: optimizer state.
+    masters = _storages(model.master_shard())
+    grads = {k: v for k, v in wrapper.items() if k not in params and k not in masters}
     state = {k: v for k, v in optim.items() if k not in params and k not in grads}
     return {
         "params": sum(params.values()),
@@ -337,12 +339,13 @@ def _check_bytes(
     n_params = sum(p.numel() for p in model.parameters())  # tied weight once
     padding = model.layout.padding()
     params = _storages(*[p.data for p in model.parameters()])
+    masters = _storages(model.master_shard())  # optimizer state, kept by the wrapper
     peak = [0]
 
     def after_our_hook(param: nn.Parameter) -> None:  # registered later: runs after ours
         assert param.grad is None, "ZeRO-2 must release param.grad"
         held = _storages(model, *[p.grad for p in model.parameters()])
-        peak[0] = max(peak[0], sum(v for k, v in held.items() if k not in params))
+        peak[0] = max(peak[0], sum(v for k, v in held.items() if k not in {**params, **masters}))
 
     if stage == 2:
         for p in model.parameters():

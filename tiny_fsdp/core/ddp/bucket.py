@@ -25,7 +25,8 @@ out. After ``zero_grad(set_to_none=True)`` autograd hands a fresh gradient, copi
 into the slot once, in the same pass, and the slot becomes ``.grad`` again. Inside ``no_sync``
 the fresh gradient of the first micro-step moves into the slot too, so accumulation happens in
 place. A bucket of another dtype (mixed precision's ``reduce_dtype``) cannot be ``.grad``: the
-gradient is rounded into it and the average copied back ([Note: DDP mixed precision]).
+gradient is rounded into it and the averages are cast back, the whole bucket in one op whose
+views become the new ``.grad`` tensors ([Note: DDP mixed precision]).
 
 The backward engine ([Note: bucketed backward]) adds every slot (``add_grad``) before it calls
 ``launch``, which starts the all-reduce (asynchronously if asked); ``finish`` waits for it, says
@@ -74,6 +75,7 @@ class GradBucket:
             self.views.append(self.buffer[offset : offset + p.numel()].view(p.shape))
             offset += p.numel()
         self.flags = self.buffer[total:]  # (len(params),)
+        self._numels = [p.numel() for p in self.params]
         self._has_grad = [False] * len(self.params)
         self._work: Optional[Any] = None  # dist.Work, or HookWork with a communication hook
         self.launched = False
@@ -108,6 +110,12 @@ class GradBucket:
         elif divisor > 1:
             view.div_(divisor)
         self._has_grad[slot] = True
+
+    def views_as(self, dtype: torch.dtype) -> List[torch.Tensor]:
+        """Every slot, in ``dtype``: views of one copy of the buffer's gradients, cast in one op
+        instead of one per slot (a kernel each on a GPU)."""
+        cast = self.buffer[: len(self.buffer) - len(self.params)].to(dtype)
+        return [piece.view(p.shape) for piece, p in zip(cast.split(self._numels), self.params)]
 
     def launch(self, async_op: bool) -> None:
         """Start the SUM all-reduce of the buffer, in place (every slot added)."""
@@ -164,7 +172,7 @@ class AllReduceBuckets:
 
     A bucket of the parameters' own dtype holds their gradients: ``param.grad`` is its slot
     ([Note: gradient bucket layout]). A bucket of another ``dtype`` (mixed precision's
-    ``reduce_dtype``) is filled from ``param.grad`` and its averages are copied back.
+    ``reduce_dtype``) is filled from ``param.grad`` and its averages are cast back.
     ``cast``: DDP's ``ParamCast`` under mixed precision; gradients are then assigned through it
     and the parameters get their masters back at the end of every backward ([Note: DDP mixed
     precision]). ``sparse``: ``id``s of parameters whose gradients stay sparse; each has a
@@ -271,7 +279,13 @@ class AllReduceBuckets:
                 self._set_grad(self.params[index], average.to(self._master_dtype[index]))
             return
         have = self.buckets[bucket].finish()
-        for index in self.bucket_members[bucket]:
+        members = self.bucket_members[bucket]  # slot k is parameter members[k]
+        master = self._master_dtype[members[0]]  # one dtype per bucket
+        cast = None  # every average becomes a new .grad of the master's dtype: cast at once
+        fresh = all(not has or self.params[i].grad is None for i, has in zip(members, have))
+        if fresh and self.buckets[bucket].buffer.dtype != master:
+            cast = self.buckets[bucket].views_as(master)
+        for index in members:
             bucket_, slot, slot_is_grad = self._slot(index)
             if not have[slot]:
                 continue  # no rank had a gradient: .grad stays None, as on one device
@@ -282,7 +296,7 @@ class AllReduceBuckets:
             elif param.grad is not None:
                 param.grad.copy_(view)  # an fp32 gradient kept from earlier micro-steps
             else:
-                self._set_grad(param, view.to(self._master_dtype[index]))
+                self._set_grad(param, view.to(master) if cast is None else cast[slot])
 
     def end(self, sync: bool) -> None:
         if self._cast is not None:

@@ -46,8 +46,9 @@ the traffic; the ledger shows ``all_reduce``) and ``gather_bucket`` broadcasts e
 its owner (same traffic and ledger payload as the all-gather). What each rank holds is the same.
 """
 
+import dataclasses
 from dataclasses import dataclass
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
@@ -176,6 +177,29 @@ class FlatLayout:
     def padding(self) -> int:
         """Number of padding elements (``numel`` minus the parameters' elements)."""
         return self.numel - sum(s.numel for s in self.slots)
+
+
+def spans(pieces: Iterable[Piece]) -> List[Piece]:
+    """``pieces`` joined where they are adjacent in one bucket (flat and shard ranges both
+    contiguous): one span per run, for elementwise work done in one op per run instead of one
+    per piece. A span that joins several pieces keeps its first piece's ``index`` and
+    ``param_start`` (it covers several parameters: only its bucket and ranges mean anything)."""
+    runs: List[List[Piece]] = []
+    for piece in sorted(pieces, key=lambda p: p.start):
+        last = runs[-1][-1] if runs else None
+        if (
+            last is not None
+            and last.bucket == piece.bucket
+            and last.start + last.numel == piece.start
+            and last.shard_start + last.numel == piece.shard_start
+        ):
+            runs[-1].append(piece)
+        else:
+            runs.append([piece])
+    return [
+        run[0] if len(run) == 1 else dataclasses.replace(run[0], numel=sum(p.numel for p in run))
+        for run in runs
+    ]
 
 
 class FlatBuffer:

@@ -4,8 +4,10 @@
 At construction the optimizer finds the ``Zero1`` / ``Zero2`` wrapper of its parameters and takes
 this rank's *pieces* ([Note: ZeRO flat layout]). Each piece gets a master tensor of ``numel``
 elements: a view of the parameter buffer when its parameter is 32-bit or wider (it IS the
-master; nothing is duplicated), else an fp32 copy (a view of the fp32 master shard, one chunk
-per bucket of such parameters), initialised from the parameters. ``step``:
+master; nothing is duplicated), else an fp32 copy: a view of the model's fp32 master shard (one
+chunk per bucket of such parameters, ``wrapper.master_shard()``), one for all the model's
+optimizers, each of which owns its pieces of it; under mixed precision it holds the exact values
+of wrap time (an element the parameters changed since is taken from them). ``step``:
 
 1. applies the unchanged update rule (``adamw_update_`` / ``sgd_update_``, or a torch.optim
    class's: [Note: torch.optim rules on pieces]) to every piece's
@@ -13,7 +15,8 @@ per bucket of such parameters), initialised from the parameters. ``step``:
    [Note: ZeRO gradient stores]; cast to fp32 by the rule) and its own state, so optimizer
    state exists for owned elements only. Pieces of parameters no rank had a gradient for are
    skipped (``wrapper.params_without_grad``), as torch.optim skips a ``.grad`` of None;
-2. writes separate masters back into the parameter buffer, rounded to the parameter dtype;
+2. writes separate masters back into the parameter buffer, rounded to the parameter dtype (one
+   copy per run of adjacent pieces, ``flat_buffer.spans``);
 3. all-gathers the parameter buffer bucket by bucket: every rank has the new full parameters.
 
 Bytes per rank (P trainable elements, N ranks, padding aside), AdamW: fp32 params:
@@ -34,7 +37,7 @@ from tiny_fsdp.core.local_state import StatePiece
 from tiny_fsdp.core.optim import SGD, AdamW, TorchRule
 from tiny_fsdp.core.torch_checkpoint import for_torch_checkpoint, refuse_torch_checkpoint
 from tiny_fsdp.core.zero.consolidated_state import check_loadable, consolidate, slice_pieces
-from tiny_fsdp.core.zero.flat_buffer import Piece, ShardBuffer
+from tiny_fsdp.core.zero.flat_buffer import Piece, ShardBuffer, spans
 from tiny_fsdp.core.zero.zero import Zero1, Zero2, ZeroWrapper, zero_owner
 
 
@@ -52,6 +55,13 @@ class OwnedPiece:
     def separate(self) -> bool:
         """The master is an fp32 copy, written back into ``param`` after a step."""
         return self.master is not self.param
+
+
+def _follow_written(master: Tensor, param: Tensor) -> None:
+    """An element of ``param`` that differs from ``master`` rounded to its dtype was written
+    from outside: ``master`` takes its value; the others keep their precision."""
+    written = param != master.to(param.dtype)
+    master.copy_(torch.where(written, param.to(master.dtype), master))
 
 
 class _ZeroOptimizer:
@@ -76,7 +86,6 @@ class _ZeroOptimizer:
             )
         self._wrapper: Optional[ZeroWrapper] = None
         self._master_shard: Optional[ShardBuffer] = None  # for buckets of < 32-bit parameters
-        self._masters_given = False  # _master_shard came from the wrapper's fp32 values
         self._pieces: Dict[int, List[OwnedPiece]] = {}  # id(param group) -> its pieces
         self._consolidated: Optional[Dict[str, Any]] = None
         super().__init__(params, *args, **kwargs)  # type: ignore[call-arg]
@@ -104,8 +113,7 @@ class _ZeroOptimizer:
             master = param
             if self._master_shard is not None and self._master_shard.has(piece.bucket):
                 master = self._master_shard.piece(piece)
-                if not self._masters_given:
-                    master.copy_(param)
+                _follow_written(master, param)  # [Note: writes outside the optimizer]
             grad = wrapper.reduced_grad(piece)
             owned.append(OwnedPiece(first_index + k, piece, master, grad, param))
         return owned
@@ -127,11 +135,7 @@ class _ZeroOptimizer:
         if self._wrapper is None:
             self._wrapper = wrapper
             wrapper.register_optimizer(self)
-            initial = wrapper.take_initial_masters()  # mixed precision: exact fp32 values
-            if initial is not None:
-                self._master_shard, self._masters_given = initial, True
-            elif any(wrapper.master_dtypes):
-                self._master_shard = ShardBuffer(wrapper.layout, wrapper.master_dtypes, p.device)
+            self._master_shard = wrapper.master_shard()  # shared by the model's optimizers
         elif wrapper is not self._wrapper:
             raise ValueError(f"{cls}: parameter '{name}' belongs to another wrapped model")
         return wrapper
@@ -173,9 +177,11 @@ class _ZeroOptimizer:
         return loss
 
     def _publish(self) -> None:
-        for op in self._all_pieces():
-            if op.separate:
-                op.param.copy_(op.master)  # rounds to the parameter dtype
+        # Rounded to the parameter dtype, one copy per run of adjacent pieces (a kernel each on
+        # a GPU), not one per piece. Only this optimizer's pieces: another's are not joined.
+        params, masters = self._wrapper.param_buffer, self._master_shard
+        for span in spans(op.piece for op in self._all_pieces() if op.separate):
+            params.piece(span).copy_(masters.piece(span))
         self._wrapper.all_gather_params()
 
     @torch.no_grad()
@@ -187,8 +193,7 @@ class _ZeroOptimizer:
         load of the same values, changes no master)."""
         for op in self._all_pieces():
             if op.separate:
-                written = op.param != op.master.to(op.param.dtype)
-                op.master.copy_(torch.where(written, op.param.to(op.master.dtype), op.master))
+                _follow_written(op.master, op.param)
         self._versions_seen = self._param_versions()
 
     def _param_versions(self) -> int:

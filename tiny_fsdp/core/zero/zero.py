@@ -140,10 +140,10 @@ class ZeroWrapper(ReplicatedWrapper):
         self._index = {id(p): i for i, p in enumerate(self.params)}
         # This rank's piece of each parameter it owns elements of (layout index -> Piece).
         self.owned_pieces: Dict[int, Piece] = {pc.index: pc for pc in self.layout.pieces(self.rank)}
-        # Mixed precision: this rank's pieces of the fp32 values, for the optimizer's masters.
-        self._initial_masters: Optional[ShardBuffer] = None
+        # Mixed precision: this rank's pieces of the fp32 values, the optimizers' masters.
+        self._master_shard: Optional[ShardBuffer] = None
         if mixed_precision is not None:
-            self._initial_masters = self._master_pieces_before_cast()
+            self._master_shard = self._master_pieces_before_cast()
             for _, p in named:
                 if not p.requires_grad:  # frozen: not in the buffer, computes in param_dtype
                     p.data = p.data.to(mixed_precision.param_dtype)
@@ -207,10 +207,19 @@ class ZeroWrapper(ReplicatedWrapper):
             shard.piece(piece).copy_(flat[piece.param_start : piece.param_start + piece.numel])
         return shard
 
-    def take_initial_masters(self) -> Optional[ShardBuffer]:
-        """The fp32 master shard prepared at wrap time (once; None afterwards or without one)."""
-        masters, self._initial_masters = self._initial_masters, None
-        return masters
+    @torch.no_grad()
+    def master_shard(self) -> Optional[ShardBuffer]:
+        """The fp32 masters of this rank's pieces of the parameters below 32 bits, one buffer
+        shared by every optimizer of the model (each updates and writes back its own pieces):
+        under mixed precision the exact values of wrap time, else made at the first call from
+        the parameters. None when every parameter is its own master."""
+        if self._master_shard is None and any(self.master_dtypes):
+            shard = ShardBuffer(self.layout, self.master_dtypes, self.params[0].device)
+            for piece in self.owned_pieces.values():
+                if shard.has(piece.bucket):
+                    shard.piece(piece).copy_(self.param_buffer.piece(piece))
+            self._master_shard = shard
+        return self._master_shard
 
     # ------------------------------------------------------------------ used by the optimizer
 
