@@ -49,7 +49,7 @@ from typing import Any, Dict, FrozenSet, List, Optional, Sequence, Set, Tuple
 import torch
 from torch import nn
 
-from tiny_fsdp.core.module.handler import Params
+from tiny_fsdp.core.module.handler import Params, layer_params
 from tiny_fsdp.core.unit_layout import grouped, unit_params
 from tiny_fsdp.core.utils import huge_pages
 
@@ -93,10 +93,9 @@ class UnitGradients:
             state.track_accumulated(-self._kept_bytes)
             state.reductions.stats.track(self._kept_bytes)
             self._live_bytes, self._kept_bytes = self._kept_bytes, 0
-        for name, grad in zip(layer.param_names, grads):
+        for param, grad in zip(layer_params(layer), grads):
             if grad is None:
                 continue
-            param = getattr(layer, name)
             index, offset = self._columns[id(param)]
             self.write(self._buffers[index], param, offset, grad, id(param) in self._written)
             self._written.add(id(param))

@@ -37,7 +37,7 @@ dtype from the layer; a layer saves an input in the dtype its op really computed
 """
 
 import contextlib
-from typing import Any, ContextManager, Optional, Sequence, Tuple
+from typing import Any, ContextManager, Dict, Optional, Sequence, Tuple
 
 import torch
 from torch import nn
@@ -61,7 +61,10 @@ class CallbackFunction(torch.autograd.Function):
         handler = module.param_handler
         ctx.module = module
         ctx.param_present = tuple(p is not None for p in local_params)
-        ctx.param_needs_grad = tuple(p is not None and p.requires_grad for p in local_params)
+        # What autograd found for the parameters (False for None); read from the parameters
+        # themselves it would cost an attribute access through a tensor subclass each.
+        needs = ctx.needs_input_grad
+        ctx.param_needs_grad = needs[len(needs) - len(local_params) :]
         ctx.autocast = _autocast_state(args)
         ctx.params = handler.fetch(module, TrainingPhase.FORWARD)
         rec = _trace.ACTIVE  # a traced step records the layer math alone ([Note: trace hooks])
@@ -131,9 +134,13 @@ def _autocast_state(args: Sequence[Any]) -> AutocastState:
     """The autocast state for the device of the first tensor in ``args`` ([Note: autocast]);
     None for a device autocast does not know (``meta``)."""
     device_type = next((a.device.type for a in args if isinstance(a, torch.Tensor)), "cpu")
-    if not torch.amp.is_autocast_available(device_type):
-        return None
-    return _autocast_state_of(device_type)
+    available = _AUTOCAST_AVAILABLE.get(device_type)
+    if available is None:
+        available = _AUTOCAST_AVAILABLE[device_type] = torch.amp.is_autocast_available(device_type)
+    return _autocast_state_of(device_type) if available else None
+
+
+_AUTOCAST_AVAILABLE: Dict[str, bool] = {}  # device type -> whether autocast knows it
 
 
 def _autocast_as_in_forward(state: AutocastState) -> ContextManager:

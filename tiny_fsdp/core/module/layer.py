@@ -12,9 +12,8 @@ local parameters (the tensors the strategy keeps: full, shard or empty). ``swap_
 strategy's question "which tensor do you really hold?" at any time, swapped or not.
 """
 
-import contextlib
 import weakref
-from typing import Dict, Iterator
+from typing import Any, ContextManager, Dict
 
 import torch
 from torch import nn
@@ -67,14 +66,24 @@ def is_swapped(module: nn.Module, attr: str) -> bool:
 _IN_STRATEGY_CODE = [0]  # > 0 while strategy code (fetch, reduce) runs on local parameters
 
 
-@contextlib.contextmanager
-def strategy_code() -> Iterator[None]:
-    """Mark code that legitimately reads local parameters ([Note: outside reads])."""
-    _IN_STRATEGY_CODE[0] += 1
-    try:
-        yield
-    finally:
+class _StrategyCode:
+    """The context of ``strategy_code``: a counter, so that it nests; a class rather than a
+    generator-based context manager, since it wraps every fetch, release and reduction of every
+    layer (a few hundred a step)."""
+
+    def __enter__(self) -> None:
+        _IN_STRATEGY_CODE[0] += 1
+
+    def __exit__(self, *exc_info: Any) -> None:
         _IN_STRATEGY_CODE[0] -= 1
+
+
+_STRATEGY_CODE = _StrategyCode()
+
+
+def strategy_code() -> ContextManager[None]:
+    """Mark code that legitimately reads local parameters ([Note: outside reads])."""
+    return _STRATEGY_CODE
 
 
 def in_strategy_code() -> bool:
