@@ -162,15 +162,22 @@ class BucketedBackward:
             self._begin(owner.require_backward_grad_sync, owner.enable_async_communication)
             if not self._outer_end_queued:  # a backward not through the wrapper's output
                 torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
-        with torch.no_grad():
-            self._densify(index, param)
-            if not self._sync:
-                self.store.keep_local(index, param)
-                return
-            self._add(index, param)
-            if self._async or self.store.reduces_eagerly:
-                self._launch_complete_buckets()
-                self._finish_completed()
+        if torch.is_grad_enabled():  # a backward with create_graph=True: record nothing
+            with torch.no_grad():
+                self._take(index, param)
+        else:  # the usual backward, already without grad: no context to enter per parameter
+            self._take(index, param)
+
+    def _take(self, index: int, param: nn.Parameter) -> None:
+        """Hand parameter ``index``'s new gradient to the store; launch what is complete."""
+        self._densify(index, param)
+        if not self._sync:
+            self.store.keep_local(index, param)
+            return
+        self._add(index, param)
+        if self._async or self.store.reduces_eagerly:
+            self._launch_complete_buckets()
+            self._finish_completed()
 
     def reduce_without_gradients(self) -> None:
         """The collectives of a synchronised backward in which no gradient arrived, as a rank
