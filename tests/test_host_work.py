@@ -173,24 +173,30 @@ def _ddp_bf16_backward(rank: int, world_size: int) -> Dict[str, Any]:
     with _CountOps() as counter:
         loss.backward()
     params = list(model.parameters())
+    grads = [p.grad.clone() for p in params]
+    # Again onto kept fp32 zeros: each average is copied into its .grad, not cast at once.
+    model.zero_grad(set_to_none=False)
+    lm_loss(model(local_slice(x, rank, world_size)), local_slice(y, rank, world_size)).backward()
     return {
         "casts": counter.ops.count("aten._to_copy.default"),
         "buckets": len(model.buckets),
         "params": len(params),
         "grad dtypes": {p.grad.dtype for p in params},
-        "grads": [p.grad.clone() for p in params],
+        "grads": grads,
+        "onto zeros alike": all(torch.equal(p.grad, g) for p, g in zip(params, grads)),
     }
 
 
 def test_ddp_mixed_precision_casts_a_bucket_of_averages_at_once() -> None:
     # The bf16 averages of a bucket become fp32 gradients by one cast of the bucket (views of
     # it are the .grad tensors), not one cast per parameter: a kernel each on a GPU. The rest
-    # of the backward casts once (the loss's fp32 logits). Both ranks hold the same averages.
+    # of the backward casts once (the loss's fp32 logits). Both ranks hold the same averages,
+    # and a backward onto kept zeros (zero_grad(set_to_none=False)) gives the same gradients.
     first, second = run_distributed(_ddp_bf16_backward, 2)
     for seen in (first, second):
         assert seen["buckets"] < seen["params"], seen["buckets"]
         assert seen["casts"] <= seen["buckets"] + 1, (seen["casts"], seen["buckets"])
-        assert seen["grad dtypes"] == {torch.float32}
+        assert seen["grad dtypes"] == {torch.float32} and seen["onto zeros alike"]
     assert all(torch.equal(a, b) for a, b in zip(first["grads"], second["grads"]))
 
 
