@@ -75,7 +75,6 @@ class GradBucket:
             self.views.append(self.buffer[offset : offset + p.numel()].view(p.shape))
             offset += p.numel()
         self.flags = self.buffer[total:]  # (len(params),)
-        self._numels = [p.numel() for p in self.params]
         self._has_grad = [False] * len(self.params)
         self._work: Optional[Any] = None  # dist.Work, or HookWork with a communication hook
         self.launched = False
@@ -115,7 +114,8 @@ class GradBucket:
         """Every slot, in ``dtype``: views of one copy of the buffer's gradients, cast in one op
         instead of one per slot (a kernel each on a GPU)."""
         cast = self.buffer[: len(self.buffer) - len(self.params)].to(dtype)
-        return [piece.view(p.shape) for piece, p in zip(cast.split(self._numels), self.params)]
+        pieces = cast.split([view.numel() for view in self.views])
+        return [piece.view(view.shape) for piece, view in zip(pieces, self.views)]
 
     def launch(self, async_op: bool) -> None:
         """Start the SUM all-reduce of the buffer, in place (every slot added)."""

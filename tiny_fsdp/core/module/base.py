@@ -74,7 +74,7 @@ class CallbackFunction(torch.autograd.Function):
         finally:
             if span is not None:
                 rec.end(span)
-            reuse = handler.reuses_forward_fetch and any(ctx.needs_input_grad)
+            reuse = handler.reuses_forward_fetch and any(needs)
             ctx.forward_params = ctx.params if reuse else None
             del ctx.params
             handler.release(module, TrainingPhase.FORWARD)

@@ -207,18 +207,15 @@ class ZeroWrapper(ReplicatedWrapper):
             shard.piece(piece).copy_(flat[piece.param_start : piece.param_start + piece.numel])
         return shard
 
-    @torch.no_grad()
     def master_shard(self) -> Optional[ShardBuffer]:
         """The fp32 masters of this rank's pieces of the parameters below 32 bits, one buffer
         shared by every optimizer of the model (each updates and writes back its own pieces):
-        under mixed precision the exact values of wrap time, else made at the first call from
-        the parameters. None when every parameter is its own master."""
+        under mixed precision the exact values of wrap time, else zeros made at the first call
+        (an optimizer takes its pieces' values from the parameters when it binds them, as
+        after any write from outside). None when every parameter is its own master."""
         if self._master_shard is None and any(self.master_dtypes):
-            shard = ShardBuffer(self.layout, self.master_dtypes, self.params[0].device)
-            for piece in self.owned_pieces.values():
-                if shard.has(piece.bucket):
-                    shard.piece(piece).copy_(self.param_buffer.piece(piece))
-            self._master_shard = shard
+            device = self.params[0].device
+            self._master_shard = ShardBuffer(self.layout, self.master_dtypes, device)
         return self._master_shard
 
     # ------------------------------------------------------------------ used by the optimizer
