@@ -1,27 +1,37 @@
-"""All-gather and reduce-scatter on gloo, built from one broadcast / one reduce per rank.
+"""All-gather and reduce-scatter on gloo, built from broadcasts and point-to-point sends.
 
 [Note: collectives on gloo]
-On gloo (CPU), ``all_gather_into_tensor`` and ``reduce_scatter_tensor`` are slow next to
-gloo's own broadcast and reduce. Measured on the 2-core development machine, 2 ranks, 16.8 MB
-output / input (torch.distributed calls timed alone, 5 repetitions, load ~1): all-gather 14.3 ms
-against 9.5 ms for two broadcasts; reduce-scatter 33.2 ms against 12.0 ms for two reduces (1 MB:
-3.6 vs 2.8 and 4.9 vs 2.5 ms). So on a gloo group ``comm.all_gather`` / ``comm.reduce_scatter``
-run as:
+On gloo (CPU), ``all_gather_into_tensor``, ``reduce_scatter_tensor`` and ``reduce`` are slow next
+to gloo's own broadcast and to point-to-point sends. Measured on the 2-core development machine
+(torch.distributed calls timed alone, median of 11, load ~1), 51.8 MB input, 2 ranks:
+all-gather 52-77 ms against 22-25 ms for broadcasts; reduce-scatter 80 ms, N reduces 54-58 ms,
+one send and one receive per pair of ranks 30 ms (12.6 MB: 11.7 vs 6.4 ms); 4 ranks: N reduces
+74 ms against 48 ms (12.6 MB: 24.9 vs 11.6; 3.2 MB: 14.2 vs 2.7). So on a gloo group
+``comm.all_gather`` / ``comm.reduce_scatter`` run as:
 
 - all-gather of ``input`` (k,) into ``output`` (N * k,): copy ``input`` into chunk ``rank`` of
   ``output`` (no copy when ``input`` is that chunk: an in-place all-gather, as FSDP's units
   issue it), then broadcast chunk r from rank r, for every r, all issued asynchronously;
-- reduce-scatter of ``input`` (N * k,) into ``output`` (k,): reduce chunk r of ``input`` to
-  rank r, for every r, all issued asynchronously; once they are done, copy chunk ``rank`` into
-  ``output`` (no copy when ``output`` is that chunk). ``input`` is scratch afterwards (a reduce
-  may leave partial sums in a chunk it does not deliver to this rank).
+- reduce-scatter (SUM) of ``input`` (N * k,) into ``output`` (k,): send chunk r of ``input`` to
+  rank r and receive every other rank's chunk ``rank``, all issued asynchronously; once they are
+  done, add them up in rank order, (c_0 + c_1) + c_2 + ..., so the sum does not depend on which
+  rank holds it nor on when the messages arrive. The first other rank's chunk is received into
+  ``output`` itself, so on 2 ranks nothing else is allocated; on N > 2 ranks the others need
+  (N - 2) chunks of receive buffers (N - 1 when ``output`` is chunk ``rank`` of ``input``), which
+  live until the collective is waited for. Gloo says a send or receive is done only once it is
+  waited for, so such a reduce-scatter counts as in flight until then ([Note: asynchronous
+  reduction] retires it when its in-flight limit or the end of the backward waits). Another
+  ``op``: one reduce per rank, then a copy of chunk ``rank``. ``input`` is scratch afterwards
+  either way.
 
-The result is the same collective: the same elements summed (a reduce and a reduce-scatter add
-the same N values), the same bytes on the ledger, which counts the logical all-gather or
-reduce-scatter once ([Note: communication ledger]). The returned ``GlooWorks`` waits for all
-of the rank's works and then does the copy; every caller waits before it reads ``output`` (the
-asynchronous reductions, [Note: asynchronous reduction], and the streams' ``wait``). NCCL and
-other backends use their own all-gather and reduce-scatter.
+The result is the same collective: the same elements summed, the same bytes on the ledger,
+which counts the logical all-gather or reduce-scatter once ([Note: communication ledger]). The
+returned ``GlooWorks`` waits for all of the rank's works and then does the sum or copy; every
+caller waits before it reads ``output`` (the asynchronous reductions, [Note: asynchronous
+reduction], and the streams' ``wait``). The sends carry a tag of their own (``P2P_TAG``), and
+gloo matches the messages between two ranks in the order they were sent, so reduce-scatters in
+flight at once pair up in issue order, as collectives do. NCCL and other backends use their own
+all-gather and reduce-scatter.
 
 CUDA tensors on gloo (several ranks sharing one GPU, where NCCL refuses two ranks on a device):
 gloo has an all-reduce, a broadcast and an all-gather for them but no reduce and no
@@ -32,32 +42,63 @@ logical collective. A testing and small-scale path, not a fast one. ``reduce`` a
 ``reduce_scatter`` here take every gloo reduction, CPU or CUDA (``is_gloo``).
 """
 
+import functools
 import threading
-from typing import Any, List, Optional
+from datetime import timedelta
+from typing import Any, Callable, List, Optional
 
 import torch
 import torch.distributed as dist
 
+from tiny_fsdp.core.utils.dist import get_collective_timeout
+
+P2P_TAG = 0x7D5F  # the sends of a reduce-scatter ([Note: collectives on gloo])
+
 
 class GlooWorks:
-    """The works of one all-gather / reduce-scatter built from several collectives."""
+    """The works of one all-gather / reduce-scatter built from several operations.
 
-    def __init__(self, works: List[Any], copy: Optional[tuple] = None) -> None:
+    Each work is waited for once: a second ``wait`` on a gloo send or receive waits for another
+    message, which never comes. ``is_completed`` is False until then: gloo's sends and receives
+    say they are done only once waited for. ``timeout``: how long a send or receive may wait,
+    the group's collective timeout when issued (theirs is otherwise the one the group was made
+    with, which ``set_collective_timeout`` does not change).
+    """
+
+    def __init__(
+        self,
+        works: List[Any],
+        finish: Optional[Callable[[], None]] = None,
+        timeout: Optional[timedelta] = None,
+    ) -> None:
         self.works = works
-        self._copy = copy  # (destination, source) once every work is done
+        self._finish = finish  # run once, when every work is done (a sum, a copy)
+        self._timeout = timeout
         self._lock = threading.Lock()  # a traced step's waiter thread may wait too
+        self._done = False
+        self._error: Optional[BaseException] = None
 
     def is_completed(self) -> bool:
-        return all(work.is_completed() for work in self.works)
+        return self._done or all(work.is_completed() for work in list(self.works))
 
     def wait(self) -> bool:
-        for work in self.works:
-            work.wait()
         with self._lock:
-            if self._copy is not None:
-                destination, source = self._copy
-                destination.copy_(source)
-                self._copy = None
+            if self._error is not None:
+                raise self._error
+            if not self._done:
+                try:
+                    while self.works:
+                        work = self.works.pop(0)
+                        if self._timeout is None:
+                            work.wait()
+                        else:
+                            work.wait(self._timeout)
+                    if self._finish is not None:
+                        self._finish()
+                except BaseException as error:
+                    self._error = error
+                    raise
+                self._finish, self._done = None, True
         return True
 
 
@@ -109,10 +150,14 @@ def reduce_scatter(
     group: Optional[dist.ProcessGroup],
     async_op: bool,
 ) -> Optional[GlooWorks]:
-    """``output`` (k,) <- chunk ``rank`` of the reduction of every rank's ``input`` (N * k,),
-    by N reduces (CUDA: one all-reduce); ``input`` is scratch afterwards."""
+    """``output`` (k,) <- chunk ``rank`` of the reduction of every rank's ``input`` (N * k,):
+    a SUM by sends and receives, another op by N reduces (CUDA: one all-reduce); ``input`` is
+    scratch afterwards."""
     n, rank, k = dist.get_world_size(group), dist.get_rank(group), output.numel()
     chunks = input.view(n, k)
+    own = chunks[rank]
+    if input.device.type != "cuda" and op == dist.ReduceOp.SUM:
+        return _finish(_sum_scatter(output, chunks, group), async_op)
     if input.device.type == "cuda":  # gloo has no CUDA reduce
         works = [dist.all_reduce(input, op=op, group=group, async_op=True)]
     else:
@@ -120,9 +165,45 @@ def reduce_scatter(
             dist.reduce(chunks[r], dst=_global(group, r), op=op, group=group, async_op=True)
             for r in range(n)
         ]
-    own = chunks[rank]
-    copy = None if own.data_ptr() == output.data_ptr() else (output, own)
+    copy = None if own.data_ptr() == output.data_ptr() else functools.partial(output.copy_, own)
     return _finish(GlooWorks(works, copy), async_op)
+
+
+def _sum_scatter(
+    output: torch.Tensor, chunks: torch.Tensor, group: Optional[dist.ProcessGroup]
+) -> GlooWorks:
+    """Chunk r of ``chunks`` (N, k) sent to rank r; the other ranks' chunk ``rank`` received and
+    summed with this rank's, in rank order, into ``output`` ([Note: collectives on gloo])."""
+    n, rank = chunks.shape[0], dist.get_rank(group)
+    own = chunks[rank]
+    in_place = own.data_ptr() == output.data_ptr()
+    peers = [r for r in range(n) if r != rank]
+    spare = torch.empty((n - 1 if in_place else n - 2, chunks.shape[1]), dtype=chunks.dtype)
+    received = dict(zip(peers, list(spare) if in_place else [output, *spare]))
+    works = []
+    for peer in peers:
+        src = _global(group, peer)
+        works.append(dist.irecv(received[peer], src=src, group=group, tag=P2P_TAG))
+        works.append(dist.isend(chunks[peer], dst=src, group=group, tag=P2P_TAG))
+    terms = [received.get(r, own) for r in range(n)]  # rank order
+    holder = rank if in_place else peers[0]  # whose chunk ``output`` holds until the sum
+
+    def add_up() -> None:
+        # (c_0 + c_1) + c_2 + ...; fp addition commutes, so a + b and b + a are the same bits.
+        if holder <= 1:
+            output.add_(terms[1 - holder])
+            for term in terms[2:]:
+                output.add_(term)
+            return
+        partial = terms[0].add_(terms[1])  # in place, rank >= 2: the ranks before, in spares
+        for term in terms[2:holder]:
+            partial.add_(term)
+        output.add_(partial)
+        for term in terms[holder + 1 :]:
+            output.add_(term)
+
+    timeout_s = get_collective_timeout(group)
+    return GlooWorks(works, add_up, None if timeout_s is None else timedelta(seconds=timeout_s))
 
 
 def _global(group: Optional[dist.ProcessGroup], rank: int) -> int:

@@ -1,0 +1,79 @@
+"""Specification of the reduce-scatter on gloo ([Note: collectives on gloo]).
+
+On a gloo group, ``comm.reduce_scatter`` (SUM) is built from one send and one receive per pair of
+ranks. It must give every rank, bit for bit, the rank-order sum ``(c_0 + c_1) + c_2 + ...`` of
+every rank's chunk ``rank``, whether ``output`` is a separate tensor or chunk ``rank`` of the
+input (in place), in fp32 and bf16, with several reduce-scatters in flight at once (they pair up
+in issue order), and when two threads wait for it (a traced step's waiter thread and the
+caller): a gloo send or receive waited for twice would wait for a message that never comes.
+A rank that fails while the others wait in one makes them raise at the collective timeout:
+``tests/test_failure.py`` (FSDP on 3 ranks, failing in backward with reductions in flight).
+"""
+
+import threading
+from typing import List
+
+import torch
+import torch.distributed as dist
+
+from tests.harness import run_distributed
+from tiny_fsdp.core import comm
+
+CHUNK = 7  # elements per rank: odd, so no size is a multiple of a vector width
+
+
+def _rank_order_sums(inputs: List[torch.Tensor], rank: int, world_size: int) -> List[torch.Tensor]:
+    """What every input's reduce-scatter must leave on ``rank``: the rank-order sum of every
+    rank's chunk ``rank``, from all the ranks' inputs (all-gathered)."""
+    sums = []
+    for x in inputs:
+        every = [torch.empty_like(x) for _ in range(world_size)]
+        dist.all_gather(every, x)
+        total = every[0].view(world_size, -1)[rank].clone()
+        for other in every[1:]:
+            total = total + other.view(world_size, -1)[rank]
+        sums.append(total)
+    return sums
+
+
+def _reduce_scatters_in_flight(rank: int, world_size: int) -> None:
+    torch.manual_seed(rank)
+    for dtype in (torch.float32, torch.bfloat16):
+        for in_place in (False, True):
+            inputs = [torch.randn(world_size * CHUNK).to(dtype) for _ in range(3)]
+            expected = _rank_order_sums(inputs, rank, world_size)
+            outputs = [
+                x.view(world_size, CHUNK)[rank] if in_place else torch.empty(CHUNK, dtype=dtype)
+                for x in inputs
+            ]
+            works = [comm.reduce_scatter(o, x, async_op=True) for o, x in zip(outputs, inputs)]
+            for work in reversed(works):  # waited for in any order: they travel in issue order
+                work.wait()
+            for output, want in zip(outputs, expected):
+                assert output.dtype == dtype
+                assert torch.equal(output, want), (dtype, in_place, output, want)
+
+
+def test_reduce_scatter_on_gloo_is_the_rank_order_sum_of_every_rank_chunk() -> None:
+    for world_size in (2, 3):
+        run_distributed(_reduce_scatters_in_flight, world_size)
+
+
+def _waited_by_two_threads(rank: int, world_size: int) -> bool:
+    torch.manual_seed(rank)
+    x = torch.randn(world_size * CHUNK)
+    (expected,) = _rank_order_sums([x], rank, world_size)
+    output = torch.empty(CHUNK)
+    work = comm.reduce_scatter(output, x, async_op=True)
+    waiter = threading.Thread(target=work.wait)
+    waiter.start()
+    work.wait()
+    waiter.join(timeout=60)
+    assert not waiter.is_alive(), "the second wait waited for a message that never comes"
+    work.wait()  # and again, once done
+    assert torch.equal(output, expected)
+    return work.is_completed()
+
+
+def test_a_reduce_scatter_waited_for_by_two_threads_completes_once() -> None:
+    assert run_distributed(_waited_by_two_threads, 2, timeout=90) == [True, True]
