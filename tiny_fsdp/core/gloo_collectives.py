@@ -3,26 +3,27 @@
 [Note: collectives on gloo]
 On gloo (CPU), ``all_gather_into_tensor``, ``reduce_scatter_tensor`` and ``reduce`` are slow next
 to gloo's own broadcast and to point-to-point sends. Measured on the 2-core development machine
-(torch.distributed calls timed alone, median of 11, load ~1), 51.8 MB input, 2 ranks:
-all-gather 52-77 ms against 22-25 ms for broadcasts; reduce-scatter 80 ms, N reduces 54-58 ms,
-one send and one receive per pair of ranks 30 ms (12.6 MB: 11.7 vs 6.4 ms); 4 ranks: N reduces
-74 ms against 48 ms (12.6 MB: 24.9 vs 11.6; 3.2 MB: 14.2 vs 2.7). So on a gloo group
-``comm.all_gather`` / ``comm.reduce_scatter`` run as:
+(torch.distributed calls timed alone, median of 11, load ~1), 2 ranks, 51.8 MB input:
+all-gather 52-77 ms against 22-25 ms for two broadcasts; reduce-scatter 80 ms, two reduces
+54-58 ms, one send and one receive 30 ms (12.6 MB: two reduces 11.7 ms, a send and a receive
+6.4). So on a gloo group ``comm.all_gather`` / ``comm.reduce_scatter`` run as:
 
 - all-gather of ``input`` (k,) into ``output`` (N * k,): copy ``input`` into chunk ``rank`` of
   ``output`` (no copy when ``input`` is that chunk: an in-place all-gather, as FSDP's units
   issue it), then broadcast chunk r from rank r, for every r, all issued asynchronously;
-- reduce-scatter (SUM) of ``input`` (N * k,) into ``output`` (k,): send chunk r of ``input`` to
-  rank r and receive every other rank's chunk ``rank``, all issued asynchronously; once they are
-  done, add them up in rank order, (c_0 + c_1) + c_2 + ..., so the sum does not depend on which
-  rank holds it nor on when the messages arrive. The first other rank's chunk is received into
-  ``output`` itself, so on 2 ranks nothing else is allocated; on N > 2 ranks the others need
-  (N - 2) chunks of receive buffers (N - 1 when ``output`` is chunk ``rank`` of ``input``), which
-  live until the collective is waited for. Gloo says a send or receive is done only once it is
-  waited for, so such a reduce-scatter counts as in flight until then ([Note: asynchronous
-  reduction] retires it when its in-flight limit or the end of the backward waits). Another
-  ``op``: one reduce per rank, then a copy of chunk ``rank``. ``input`` is scratch afterwards
-  either way.
+- reduce-scatter of ``input`` (2 * k,) into ``output`` (k,) on 2 ranks, a SUM into a tensor of
+  its own (FSDP's unit reductions): send the other rank its chunk and receive its chunk
+  ``rank`` straight into ``output``, both issued asynchronously; once both are done, add this
+  rank's chunk: c_0 + c_1 (floating-point addition commutes: the same bits on either rank), no
+  buffer besides. Gloo says a send or receive is done only once it is waited for, so such a
+  reduce-scatter counts as in flight until then ([Note: asynchronous reduction] retires it when
+  its in-flight limit or the end of the backward waits for it);
+- any other reduce-scatter (N > 2 ranks, where receiving N - 1 chunks at once would need N - 2
+  more buffers and training steps measured no faster on the development machine's 4 ranks;
+  ``output`` being chunk ``rank`` of ``input``; another ``op``): reduce chunk r of ``input`` to
+  rank r, for every r, all issued asynchronously; once they are done, copy chunk ``rank`` into
+  ``output`` (no copy when ``output`` is that chunk). ``input`` is scratch afterwards (a reduce
+  may leave partial sums in a chunk it does not deliver to this rank).
 
 The result is the same collective: the same elements summed, the same bytes on the ledger,
 which counts the logical all-gather or reduce-scatter once ([Note: communication ledger]). The
@@ -151,13 +152,15 @@ def reduce_scatter(
     async_op: bool,
 ) -> Optional[GlooWorks]:
     """``output`` (k,) <- chunk ``rank`` of the reduction of every rank's ``input`` (N * k,):
-    a SUM by sends and receives, another op by N reduces (CUDA: one all-reduce); ``input`` is
-    scratch afterwards."""
+    on 2 ranks a SUM into another tensor by a send and a receive, else by N reduces (CUDA: one
+    all-reduce); ``input`` is scratch afterwards."""
     n, rank, k = dist.get_world_size(group), dist.get_rank(group), output.numel()
     chunks = input.view(n, k)
     own = chunks[rank]
-    if input.device.type != "cuda" and op == dist.ReduceOp.SUM:
-        return _finish(_sum_scatter(output, chunks, group), async_op)
+    in_place = own.data_ptr() == output.data_ptr()
+    apart = output.untyped_storage().data_ptr() != input.untyped_storage().data_ptr()
+    if n == 2 and apart and op == dist.ReduceOp.SUM and input.device.type != "cuda":
+        return _finish(_sum_scatter_pair(output, chunks, group), async_op)
     if input.device.type == "cuda":  # gloo has no CUDA reduce
         works = [dist.all_reduce(input, op=op, group=group, async_op=True)]
     else:
@@ -165,45 +168,24 @@ def reduce_scatter(
             dist.reduce(chunks[r], dst=_global(group, r), op=op, group=group, async_op=True)
             for r in range(n)
         ]
-    copy = None if own.data_ptr() == output.data_ptr() else functools.partial(output.copy_, own)
+    copy = None if in_place else functools.partial(output.copy_, own)
     return _finish(GlooWorks(works, copy), async_op)
 
 
-def _sum_scatter(
+def _sum_scatter_pair(
     output: torch.Tensor, chunks: torch.Tensor, group: Optional[dist.ProcessGroup]
 ) -> GlooWorks:
-    """Chunk r of ``chunks`` (N, k) sent to rank r; the other ranks' chunk ``rank`` received and
-    summed with this rank's, in rank order, into ``output`` ([Note: collectives on gloo])."""
-    n, rank = chunks.shape[0], dist.get_rank(group)
-    own = chunks[rank]
-    in_place = own.data_ptr() == output.data_ptr()
-    peers = [r for r in range(n) if r != rank]
-    spare = torch.empty((n - 1 if in_place else n - 2, chunks.shape[1]), dtype=chunks.dtype)
-    received = dict(zip(peers, list(spare) if in_place else [output, *spare]))
-    works = []
-    for peer in peers:
-        src = _global(group, peer)
-        works.append(dist.irecv(received[peer], src=src, group=group, tag=P2P_TAG))
-        works.append(dist.isend(chunks[peer], dst=src, group=group, tag=P2P_TAG))
-    terms = [received.get(r, own) for r in range(n)]  # rank order
-    holder = rank if in_place else peers[0]  # whose chunk ``output`` holds until the sum
-
-    def add_up() -> None:
-        # (c_0 + c_1) + c_2 + ...; fp addition commutes, so a + b and b + a are the same bits.
-        if holder <= 1:
-            output.add_(terms[1 - holder])
-            for term in terms[2:]:
-                output.add_(term)
-            return
-        partial = terms[0].add_(terms[1])  # in place, rank >= 2: the ranks before, in spares
-        for term in terms[2:holder]:
-            partial.add_(term)
-        output.add_(partial)
-        for term in terms[holder + 1 :]:
-            output.add_(term)
-
+    """Two ranks: the other rank's chunk of ``chunks`` (2, k) sent to it, its chunk ``rank``
+    received into ``output``, then this rank's added ([Note: collectives on gloo])."""
+    rank = dist.get_rank(group)
+    peer = _global(group, 1 - rank)
+    works = [
+        dist.irecv(output, src=peer, group=group, tag=P2P_TAG),
+        dist.isend(chunks[1 - rank], dst=peer, group=group, tag=P2P_TAG),
+    ]
     timeout_s = get_collective_timeout(group)
-    return GlooWorks(works, add_up, None if timeout_s is None else timedelta(seconds=timeout_s))
+    timeout = None if timeout_s is None else timedelta(seconds=timeout_s)
+    return GlooWorks(works, functools.partial(output.add_, chunks[rank]), timeout)
 
 
 def _global(group: Optional[dist.ProcessGroup], rank: int) -> int:
