@@ -36,10 +36,10 @@ collectives as broadcasts / reduces, in-place all-gathers, buffers in huge pages
 pages for transient buffers]), ``torchrun --nproc_per_node=2 example/benchmark.py --model
 gpt2_mini --batch_size 4 --seq_len 256 --one_phase --steps 14`` measured FSDP at 0.91 x FSDP2's
 step time and 1.03 x our DDP's, ZeRO-3 at 0.90 x FSDP2 and 1.01 x DDP (median of per-round
-ratios, load average 1.6-2.0 on 2 cores; 4 ranks: 0.92, 1.02, 0.91, 1.03). With reduce-scatters
-as sends on gloo since ([Note: collectives on gloo]), one run with ``--steps 8`` (load 1.9):
-FSDP 0.87 x FSDP2 and 1.02 x DDP, ZeRO-3 0.92 and 1.09 (4 ranks, ``--steps 6``, load 4.4:
-0.99, 1.15, 0.97, 1.12); the same machine's runs spread by about 0.05.
+ratios, load average 1.6-2.0 on 2 cores; 4 ranks: 0.92, 1.02, 0.91, 1.03). With 2-rank
+reduce-scatters as a send and a receive on gloo since ([Note: collectives on gloo]), one run
+with ``--steps 8`` (load 1.9): FSDP 0.87 x FSDP2 and 1.02 x DDP, ZeRO-3 0.92 and 1.09; the same
+machine's runs spread by about 0.05.
 """
 
 import functools
