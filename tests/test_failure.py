@@ -155,6 +155,9 @@ def _peer_message(rank: int, failed: int, fault: str) -> str:
     "strategy, fault, world_size, failing_rank",
     [
         ("fsdp", "backward", 3, 1),
+        # 2 ranks: FSDP's reduce-scatters in flight are a send and a receive, which must wait
+        # with the collective timeout too ([Note: collectives on gloo])
+        ("fsdp", "backward", 2, 1),
         ("zero3", "forward", 2, 0),  # rank 0 hosts the store: it must outlive the others' reads
     ],
 )

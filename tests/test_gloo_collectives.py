@@ -7,7 +7,7 @@ at once (they pair up in issue order) and when two threads wait for one (a trace
 thread and the caller): a gloo send or receive waited for twice would wait for a message that
 never comes. On 3 ranks (reduces) the same sum up to the order of its additions. A rank that
 fails while the others wait in one makes them raise at the collective timeout:
-``tests/test_failure.py`` (FSDP, failing in backward with reductions in flight).
+``tests/test_failure.py`` (FSDP on 2 ranks, failing in backward with reductions in flight).
 """
 
 import threading
