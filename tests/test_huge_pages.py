@@ -1,7 +1,10 @@
 """Specification: the transient buffers of FSDP and ZeRO-3 (gathered parameters, gradient
-buffers) are plain tensors that, on Linux CPUs, fault in 2 MiB pages ([Note: huge pages for
-transient buffers] in ``tiny_fsdp/core/utils/huge_pages.py``)."""
+buffers) are plain tensors; on the CPU a large one reuses a block an earlier one freed, which
+nothing else still uses, else a new block that, on Linux, faults in 2 MiB pages ([Note: huge
+pages for transient buffers], [Note: reusing large CPU blocks] in
+``tiny_fsdp/core/utils/huge_pages.py``)."""
 
+import contextlib
 import re
 import sys
 from pathlib import Path
@@ -9,7 +12,14 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.build import adamw, build
+from tests.harness import run_distributed
+from example.model import GPTConfigs
+from tests.parity import global_batch, lm_loss, local_slice, make_model
 from tiny_fsdp.core.utils import huge_pages
+
+LARGE = huge_pages.CACHE_BYTES // 4  # float32 elements of the smallest block the cache keeps
+CPU = torch.device("cpu")
 
 THP = Path("/sys/kernel/mm/transparent_hugepage/enabled")
 
@@ -50,3 +60,98 @@ def test_a_large_cpu_buffer_faults_in_huge_pages() -> None:
     page = 2 * 2**20
     first_whole_page = -(-tensor.data_ptr() // page) * page  # advised from there on
     assert _huge_page_kib(first_whole_page) >= 2048, "no 2 MiB page behind the buffer"
+
+
+def test_a_freed_large_block_is_handed_out_again_in_any_shape_and_dtype() -> None:
+    first = huge_pages.empty(LARGE, torch.float32, CPU)
+    address = first.data_ptr()
+    del first
+    again = huge_pages.empty((2, LARGE), torch.bfloat16, CPU)  # the same byte size
+    assert again.data_ptr() == address
+    assert again.shape == (2, LARGE) and again.dtype == torch.bfloat16 and again.is_contiguous()
+    del again
+    huge_pages.release_free()
+
+
+def test_a_block_still_used_anywhere_is_never_handed_out() -> None:
+    taken = huge_pages.empty(LARGE, torch.float32, CPU)
+    other = huge_pages.empty(LARGE, torch.float32, CPU)  # while the first is alive
+    assert other.data_ptr() != taken.data_ptr()
+    address = taken.data_ptr()
+    view = taken[1:]  # a view keeps the block
+    del taken, other
+    assert huge_pages.empty(LARGE, torch.float32, CPU).data_ptr() != address
+    del view
+    weight = torch.ones(LARGE, requires_grad=True)
+    saved = huge_pages.empty(LARGE, torch.float32, CPU)
+    address = saved.data_ptr()
+    loss = (saved * weight).sum()  # autograd saves the block for backward (a C++ reference)
+    del saved
+    assert huge_pages.empty(LARGE, torch.float32, CPU).data_ptr() != address
+    del loss
+    assert huge_pages.empty(LARGE, torch.float32, CPU).data_ptr() == address  # free now
+    huge_pages.release_free()
+
+
+def test_free_blocks_go_back_to_the_os_on_request_and_when_a_new_size_is_made() -> None:
+    huge_pages.release_free()
+    huge_pages.empty(LARGE, torch.float32, CPU)  # made, then free at once
+    assert huge_pages.release_free() == LARGE * 4
+    assert huge_pages.release_free() == 0
+    huge_pages.empty(LARGE, torch.float32, CPU)
+    bigger = huge_pages.empty(2 * LARGE, torch.float32, CPU)  # a miss: the free block goes
+    assert huge_pages.release_free() == 0
+    del bigger
+    assert huge_pages.release_free() == 8 * LARGE
+
+
+def test_small_and_non_cpu_buffers_are_plain_torch_empty() -> None:
+    huge_pages.release_free()
+    small = huge_pages.empty(LARGE // 2, torch.float32, CPU)
+    assert huge_pages.release_free() == 0  # not cached
+    assert small.numel() == LARGE // 2
+    assert huge_pages.empty(LARGE, torch.float32, torch.device("meta")).is_meta
+    with torch.device("meta"):  # a default device does not move an explicit CPU request
+        assert huge_pages.empty(LARGE, torch.float32, CPU).device == CPU
+    huge_pages.release_free()
+
+
+def _cached_blocks_train_bitwise_alike(rank: int, world_size: int) -> None:
+    """FSDP, ZeRO-3 and one device's layers (its Embedding's gradient), default arguments,
+    with every transient buffer from the cache (CACHE_BYTES = 0) and with none: the same bits.
+    Steps cover an accumulation under no_sync and a zero_grad that keeps ``.grad`` (the next
+    backward adds to gradients that view a block)."""
+    runs = {}
+    default = huge_pages.CACHE_BYTES
+    try:
+        for cache_bytes in (default, 0):
+            huge_pages.CACHE_BYTES = cache_bytes
+            for name in ("fsdp", "zero3", "single"):
+                model, opt = build(name, make_model(5), adamw(lr=1e-3, weight_decay=0.1))
+                losses = []
+                for step in range(4):
+                    x, y = global_batch(step, 4 * world_size, 8, GPTConfigs.gpt2_tiny.vocab_size)
+                    if name != "single":
+                        x, y = local_slice(x, rank, world_size), local_slice(y, rank, world_size)
+                    if step == 1:
+                        with model.no_sync() if name != "single" else contextlib.nullcontext():
+                            lm_loss(model(x[:2]), y[:2]).backward()
+                    loss = lm_loss(model(x), y)
+                    loss.backward()
+                    opt.step()
+                    opt.zero_grad(set_to_none=step != 2)
+                    losses.append(loss.item())
+                runs[cache_bytes, name] = losses, model.state_dict()
+            if cache_bytes == 0:
+                assert huge_pages.release_free() > 0  # the buffers did come from the cache
+    finally:
+        huge_pages.CACHE_BYTES = default
+        huge_pages.release_free()
+    for name in ("fsdp", "zero3", "single"):
+        (losses, state), (cached_losses, cached_state) = runs[default, name], runs[0, name]
+        assert losses == cached_losses, name  # bitwise: the same math on other memory
+        assert all(torch.equal(state[k], cached_state[k]) for k in state), name
+
+
+def test_training_with_every_buffer_from_the_cache_is_bitwise_the_same() -> None:
+    run_distributed(_cached_blocks_train_bitwise_alike, 2)
