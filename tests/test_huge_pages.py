@@ -7,6 +7,7 @@ pages for transient buffers], [Note: reusing large CPU blocks] in
 import contextlib
 import re
 import sys
+from typing import Tuple
 from pathlib import Path
 
 import pytest
@@ -17,6 +18,7 @@ from tests.harness import run_distributed
 from example.model import GPTConfigs
 from tests.parity import global_batch, lm_loss, local_slice, make_model
 from tiny_fsdp.core.utils import huge_pages
+from tiny_fsdp.core.utils.storage import Memory
 
 LARGE = huge_pages.CACHE_BYTES // 4  # float32 elements of the smallest block the cache keeps
 CPU = torch.device("cpu")
@@ -114,6 +116,39 @@ def test_small_and_non_cpu_buffers_are_plain_torch_empty() -> None:
     with torch.device("meta"):  # a default device does not move an explicit CPU request
         assert huge_pages.empty(LARGE, torch.float32, CPU).device == CPU
     huge_pages.release_free()
+
+
+def _halves(buffer: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+    return buffer[: buffer.numel() // 2], buffer[buffer.numel() // 2 :]
+
+
+def test_a_large_unit_buffer_takes_a_freed_block_and_makes_its_views_on_it() -> None:
+    huge_pages.release_free()
+    memory = Memory(LARGE, torch.float32, CPU, _halves)
+    assert not memory.holds_memory and memory.nbytes == LARGE * 4
+    first, second = memory.allocate()
+    assert memory.holds_memory and first.data_ptr() == memory.buffer.data_ptr()
+    with pytest.raises(RuntimeError, match="unsharded again"):
+        memory.allocate()  # a prefetch-order bug must not write over parameters in use
+    address = memory.buffer.data_ptr()
+    memory.free()
+    assert not memory.holds_memory and memory.buffer.numel() == LARGE  # shape kept
+    assert huge_pages.empty(LARGE, torch.float32, CPU).data_ptr() != address  # views held
+    del first, second
+    other = huge_pages.empty(LARGE, torch.float32, CPU)  # the block is free now: reused
+    assert other.data_ptr() == address
+    assert memory.allocate()[0].data_ptr() != address  # taken by other: a new block
+    memory.free()
+    huge_pages.release_free()
+
+
+def test_a_small_unit_buffer_keeps_the_views_it_made_once() -> None:
+    memory = Memory(LARGE // 2, torch.float32, CPU, _halves)
+    views = memory.allocate()
+    memory.free()
+    assert memory.allocate() is views and memory.holds_memory  # the same objects, memory back
+    memory.free()
+    assert views[0].untyped_storage().nbytes() == 0
 
 
 def _cached_blocks_train_bitwise_alike(rank: int, world_size: int) -> None:

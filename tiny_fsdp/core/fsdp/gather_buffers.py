@@ -3,16 +3,32 @@
 A group's unshard ([Note: gather units]) writes this rank's shards into its chunk of the output
 (world_size * numel,), all-gathers, and (several tensors) copies the rank-major output out into
 a padded buffer that every full tensor views. Both buffers and all their views are made at the
-group's first unshard; their memory exists only while in use ([Note: buffers made once]).
+group's first unshard; their memory exists only while in use ([Note: buffers made once]; on the
+CPU, a large one's views are made again on a reused block: ``Memory``).
 """
 
-from typing import Dict, List, Optional, Sequence
+from typing import Dict, List, NamedTuple, Optional, Sequence
 
 import torch
 from torch import nn
 
-from tiny_fsdp.core.fsdp.sharded_param import shard_info
-from tiny_fsdp.core.utils.storage import LocalViews, free
+from tiny_fsdp.core.fsdp.sharded_param import ShardedParam, shard_info
+from tiny_fsdp.core.utils.storage import LocalViews, Memory
+
+
+class OutViews(NamedTuple):
+    """Views of the all-gather output (world * numel,)."""
+
+    grid: torch.Tensor  # (world, numel): row r is rank r's shards, in group order
+    own: torch.Tensor  # row ``rank``: this rank's shards go straight in
+    full: Dict[int, torch.Tensor]  # one-tensor group: id(param) -> its full tensor
+
+
+class PaddedViews(NamedTuple):
+    """Views of the copy-out (world * numel,) of a several-tensor group."""
+
+    blocks: List[torch.Tensor]  # per tensor: its (world, shard numel) block
+    full: Dict[int, torch.Tensor]  # id(param) -> full tensor
 
 
 class GatherBuffers:
@@ -29,27 +45,18 @@ class GatherBuffers:
         dtype: torch.dtype,
         device: torch.device,
     ) -> None:
-        with torch.inference_mode(False):  # [Note: buffers made once]
-            infos = [shard_info(p) for p in group]
-            self.sizes = [info.shard_numel for info in infos]
-            numel = sum(self.sizes)
-            self.out = torch.empty(world * numel, dtype=dtype, device=device)
-            self.grid = self.out.view(world, numel)  # row r: rank r's shards, in group order
-            self.own = self.grid[rank]  # this rank's chunk: its shards go straight in
-            self.full: Dict[int, torch.Tensor] = {}  # id(param) -> full tensor
-            self.blocks: List[torch.Tensor] = []  # per tensor: its (world, shard numel) block
-            self.padded: Optional[torch.Tensor] = None
-            if len(group) == 1:
-                self.full[id(group[0])] = infos[0].full_view(self.out)
-            else:
-                self.padded = torch.empty(world * numel, dtype=dtype, device=device)
-                blocks = self.padded.split([world * n for n in self.sizes])
-                self.blocks = [b.view(world, n) for b, n in zip(blocks, self.sizes)]
-                for param, info, block in zip(group, infos, blocks):
-                    self.full[id(param)] = info.full_view(block)
-        free(self.out)  # views are made while there is memory; then it goes until needed
-        if self.padded is not None:
-            free(self.padded)
+        infos = [shard_info(p) for p in group]
+        ids = [id(p) for p in group]
+        self.sizes = [info.shard_numel for info in infos]
+        numel = world * sum(self.sizes)
+        self.out = Memory(
+            numel, dtype, device, lambda out: _out_views(out, world, rank, ids, infos)
+        )
+        self.padded: Optional[Memory[PaddedViews]] = None
+        if len(group) > 1:
+            self.padded = Memory(
+                numel, dtype, device, lambda p: _padded_views(p, world, ids, infos)
+            )
         self.local = LocalViews(flat=True)  # the flat shards this rank sends
 
     @property
@@ -58,6 +65,22 @@ class GatherBuffers:
         return self.padded is None
 
     @property
-    def full_tensor(self) -> torch.Tensor:
+    def full_memory(self) -> Memory:
         """The buffer the full tensors view: the output (one tensor) or the copy-out."""
         return self.out if self.padded is None else self.padded
+
+
+def _out_views(
+    out: torch.Tensor, world: int, rank: int, ids: List[int], infos: List[ShardedParam]
+) -> OutViews:
+    grid = out.view(world, -1)
+    full = {ids[0]: infos[0].full_view(out)} if len(ids) == 1 else {}
+    return OutViews(grid, grid[rank], full)
+
+
+def _padded_views(
+    padded: torch.Tensor, world: int, ids: List[int], infos: List[ShardedParam]
+) -> PaddedViews:
+    blocks = padded.split([world * info.shard_numel for info in infos])
+    full = {i: info.full_view(block) for i, info, block in zip(ids, infos, blocks)}
+    return PaddedViews([b.view(world, i.shard_numel) for b, i in zip(blocks, infos)], full)

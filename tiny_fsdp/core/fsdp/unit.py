@@ -55,7 +55,7 @@ from tiny_fsdp.core.fsdp.state import FSDPState
 from tiny_fsdp.core.full_unit import FullUnit, copied_model_error
 from tiny_fsdp.core.unit_layout import grouped, unit_params
 from tiny_fsdp.core.streams import GATHER, CommHandle, Launch
-from tiny_fsdp.core.utils.storage import MadeOnce, allocate, free, holds_memory
+from tiny_fsdp.core.utils.storage import MadeOnce
 
 # One collective per group: (handle, the group's buffers, whose output is allocated).
 PendingGather = List[Tuple[CommHandle, GatherBuffers]]
@@ -99,20 +99,20 @@ class GatherUnit(FullUnit):
                 if any(shard_info(param) is None for param in group):
                     raise copied_model_error("FSDP")
                 buffers = self._group_buffers(index, group)
-                out = allocate(buffers.out)  # (world * numel,)
+                views = buffers.out.allocate()  # of the output (world * numel,)
                 allocated.append(buffers)
-                self.state.track_gathered(_nbytes(out))
+                self.state.track_gathered(buffers.out.nbytes)
                 # In place: this rank's shards go straight into their chunk of the output, one
                 # copy (and cast: mixed precision casts the shard, not the gathered tensor, so
                 # half the bytes travel) instead of a concatenation and a copy ([Note:
                 # collectives on gloo]).
                 shards = buffers.local.of(group)
                 if len(shards) == 1:
-                    buffers.own.copy_(shards[0])
+                    views.own.copy_(shards[0])
                 else:
-                    torch.cat(shards, out=buffers.own)
+                    torch.cat(shards, out=views.own)
                 groups = self.state.groups  # [Note: hybrid sharding]
-                launch = _all_gather(out, buffers.own, groups)
+                launch = _all_gather(buffers.out.buffer, views.own, groups)
                 pending.append((self.state.streams.issue(GATHER, launch, async_op), buffers))
         except BaseException:
             self._forget(allocated)
@@ -126,17 +126,19 @@ class GatherUnit(FullUnit):
         try:
             for handle, buffers in pending:
                 self.state.streams.wait(handle)
-                if not buffers.single:
+                if buffers.padded is None:
+                    full.update(buffers.out.views.full)
+                else:
                     # Copy-out in one op: tensor i's columns of the grid, rank after rank, are
                     # its padded full tensor; back to back in one buffer, each a view of it.
-                    padded = allocate(buffers.padded)
-                    self.state.track_gathered(_nbytes(padded))
-                    grid, sizes, blocks = buffers.grid, buffers.sizes, buffers.blocks
-                    torch.split_with_sizes_copy(grid, sizes, dim=1, out=blocks)
-                    free(buffers.out)  # the rank-major buffer dies here
-                    self.state.track_gathered(-_nbytes(buffers.out))
-                full.update(buffers.full)
-                full_bytes += _nbytes(buffers.full_tensor)
+                    padded = buffers.padded.allocate()
+                    self.state.track_gathered(buffers.padded.nbytes)
+                    grid = buffers.out.views.grid
+                    torch.split_with_sizes_copy(grid, buffers.sizes, dim=1, out=padded.blocks)
+                    buffers.out.free()  # the rank-major buffer dies here
+                    self.state.track_gathered(-buffers.out.nbytes)
+                    full.update(padded.full)
+                full_bytes += buffers.full_memory.nbytes
         except BaseException:
             self._forget([buffers for _, buffers in pending])
             raise
@@ -148,8 +150,8 @@ class GatherUnit(FullUnit):
         try:
             for handle, buffers in pending:
                 self.state.streams.wait(handle)
-                free(buffers.out)
-                self.state.track_gathered(-_nbytes(buffers.out))
+                buffers.out.free()
+                self.state.track_gathered(-buffers.out.nbytes)
         except BaseException:
             self._forget([buffers for _, buffers in pending])
             raise
@@ -157,7 +159,7 @@ class GatherUnit(FullUnit):
     def on_reshard(self) -> None:
         for buffers in self._buffers:
             if buffers is not None:
-                free(buffers.full_tensor)
+                buffers.full_memory.free()
         self.state.track_gathered(-self._full_bytes)
         self._full_bytes = 0
 
@@ -165,9 +167,9 @@ class GatherUnit(FullUnit):
         """After an error in an unshard (a collective or a copy that raised): uncount these
         buffers and make new ones next time ([Note: buffers made once])."""
         for buffers in failed:
-            for tensor in (buffers.out, buffers.padded):
-                if holds_memory(tensor):
-                    self.state.track_gathered(-_nbytes(tensor))
+            for memory in (buffers.out, buffers.padded):
+                if memory is not None and memory.holds_memory:
+                    self.state.track_gathered(-memory.nbytes)
         self._buffers.forget(failed)
 
     def _group_buffers(self, index: int, group: List[nn.Parameter]) -> GatherBuffers:
@@ -184,7 +186,3 @@ def _all_gather(out: torch.Tensor, flat: torch.Tensor, groups: Any) -> Launch:
         return comm.all_gather(out, flat, group=group, async_op=async_op, label=label)
 
     return launch
-
-
-def _nbytes(tensor: torch.Tensor) -> int:
-    return tensor.numel() * tensor.element_size()

@@ -18,26 +18,30 @@ So, on the CPU, a block from ``empty``:
 
 [Note: reusing large CPU blocks]
 The blocks of ``CACHE_BYTES`` or more that ``empty`` made are kept, as a GPU's caching allocator
-keeps freed memory: a unit's gradient buffer and the embedding's gradient of one step are those
-of the step before, their pages already in place. A block is free when the only reference to its
-storage is the cache's own (``torch._C._storage_Use_Count``, which PyTorch's CUDA-graph trees use
-to tell a storage still in use): a buffer a collective in flight still reads, a view, a tensor
-autograd saved, a ``.grad`` that is a slice of it keep it taken, so memory in use is never handed
-out. A request takes a free block of exactly its byte size (a step's buffers repeat step after
-step); if there is none, the free blocks are released, so blocks of sizes no longer asked for do
-not pile up, and a new one is made. So the cache holds, per size, at most as many blocks as were
-in use at once.
+keeps freed memory: a unit's gathered parameters (FSDP's all-gather output and copy-out, ZeRO-3's
+broadcast buffer: ``storage.Memory``), its gradient buffer and the embedding's gradient take the
+blocks the step before freed, their pages already in place (one block serves several of them
+in turn where their sizes match: FSDP's all-gather output and the same unit's gradient buffer).
+A block is free when the only reference to its storage is the cache's own
+(``torch._C._storage_Use_Count``, which PyTorch's CUDA-graph trees use to tell a storage still in
+use): a buffer a collective in flight still reads, a view, a tensor autograd saved, a ``.grad``
+that is a slice of it keep it taken, so memory in use is never handed out. A request takes a free
+block of exactly its byte size (a step's buffers repeat step after step); if there is none, the
+free blocks are released, so blocks of sizes no longer asked for do not pile up, and a new one
+is made. So the cache holds, per size, at most as many blocks as were in use at once.
 
 The cost: between two uses a block stays *reserved* (counted by ``allocated_bytes`` and the
 RSS), also while the step's other tensors reach their peak, which torch allocates elsewhere
 (on a GPU they would take the free blocks). ``release_free()`` hands the free blocks back to the
 OS, as ``torch.cuda.empty_cache()``. Measured on the development machine (2 ranks, gpt2_mini,
-batch 4 x 256, 12 rounds alternating step by step in one run, load 2.0): FSDP's step went from
-1.066 to 1.021 x our DDP's, ZeRO-3's from 1.057 to 1.011; the benchmark's peak per rank (the
-most bytes allocated in a step, reserved ones included) stayed at 994 MiB under FSDP (its
-reserved blocks are in use at its peak) and rose from 1,003 to 1,106 MiB under ZeRO-3, whose
-peak comes while its two reserved 49 MiB blocks (the root unit's gradient buffer and the
-embedding's gradient) wait for their next use.
+batch 4 x 256, 12 rounds alternating step by step in one run, load 2.0-2.6, which spreads
+these ratios by a few hundredths): FSDP's step went from 1.092 to 1.010 x our DDP's, ZeRO-3's
+from 1.040 to 1.032 (in a second run, with the gradient buffers alone reused already: FSDP
+1.016 -> 1.029, ZeRO-3 1.077 -> 1.002); the forward, which starts with the root unit's gather,
+took 30-75 ms less. The benchmark's peak per rank (the most bytes allocated in a step, reserved
+ones included) stayed at 994 MiB under FSDP (its blocks are in use at its peak) and rose from
+1,003 to 1,106 MiB under ZeRO-3, whose peak comes while two reserved 49 MiB blocks (the root
+unit's gradient buffer and the embedding's gradient) wait for their next use.
 """
 
 import ctypes
@@ -64,13 +68,18 @@ def empty(
     process's earlier blocks, else a new one in huge pages ([Note: huge pages for transient
     buffers])."""
     size = torch.Size([shape] if isinstance(shape, int) else shape)
-    nbytes = size.numel() * dtype.itemsize
-    if torch.device(device).type != "cpu" or nbytes < CACHE_BYTES or not _USE_COUNT:
+    if not reuses(size.numel() * dtype.itemsize, device):
         tensor = torch.empty(size, dtype=dtype, device=device)
         advise(tensor)
         return tensor
     with _lock:  # taken (a tensor on it) before another thread may look for a free block
-        return torch.empty((0,), dtype=dtype, device="cpu").set_(_take(nbytes), 0, size)
+        storage = _take(size.numel() * dtype.itemsize)
+        return torch.empty((0,), dtype=dtype, device="cpu").set_(storage, 0, size)
+
+
+def reuses(nbytes: int, device: Union[str, torch.device]) -> bool:
+    """Whether ``empty`` gives a block of ``nbytes`` on ``device`` from the cache."""
+    return torch.device(device).type == "cpu" and nbytes >= CACHE_BYTES and _USE_COUNT is not None
 
 
 def release_free() -> int:

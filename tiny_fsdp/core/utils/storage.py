@@ -5,10 +5,11 @@ An unshard of a unit of n tensors needs, besides its copies, several views per t
 flat local shard, its place in the send or receive buffer, its full tensor (FSDP also its block
 of the copy-out). Made anew in every unshard they are host work that grows with the number of
 tensors (GPT-2 124M under FSDP: ~2,000 view ops a step, on a GPU each a host call while the
-device may wait). So a unit makes its buffers once, with every view of them, and gives them
-memory only while they are in use: ``allocate`` resizes a buffer's storage to its size,
-``free`` to zero (what FSDP2 does with its all-gather output, and our generic layer with its
-full parameters). A view follows its storage, so views made once stay valid in every unshard.
+device may wait). So a unit makes its buffers once, with every view of them (``Memory``), and
+gives them memory only while they are in use: ``allocate`` resizes a buffer's storage to its
+size, ``free`` to zero (what FSDP2 does with its all-gather output, and our generic layer with
+its full parameters). A view follows its storage, so views made once stay valid in every
+unshard.
 
 Lifetimes are those of tensors allocated anew ([Note: communication streams]): allocated on the
 caller's stream before the collective, freed once the caller has waited for it and no longer
@@ -16,7 +17,8 @@ needs it. A buffer is never allocated twice: an unshard issued while the last on
 its buffer raises instead of writing over parameters in use. An unshard that raised (a
 collective or a copy) drops its group's buffers instead of freeing them, since a collective may
 still write them; the next unshard makes new ones. A full tensor handed to a layer
-holds no memory after the reshard (its storage is empty), as a dropped tensor would not.
+holds no memory after the reshard (its storage is empty), as a dropped tensor would not (on the
+CPU path below, one still referenced keeps its block from reuse, as a tensor would).
 
 ``MadeOnce`` keeps a unit's buffers, per group: made at the first unshard, again where the gather
 dtype or the device changed, after an unshard that raised, and in a copy of the wrapper
@@ -27,6 +29,12 @@ views pin the old memory, so a new tensor cannot reuse its address.
 
 Buffers are made outside ``inference_mode`` even when the first unshard runs inside it (a
 ``generate()``): an inference tensor could not be written in the next training step.
+
+On the CPU, a buffer of ``huge_pages.CACHE_BYTES`` or more takes its memory from the blocks
+freed before instead ([Note: reusing large CPU blocks]): a storage's memory cannot be swapped
+for another's, so ``Memory`` makes its views again on the block at each ``allocate`` (a few
+view ops, host time that only a GPU's step would feel) and puts back, at ``free``, the views
+made once, which hold no memory; those keep the shapes and the byte count.
 """
 
 from typing import Any, Callable, Dict, Generic, Iterator, List, Optional, Sequence, TypeVar
@@ -36,6 +44,7 @@ import torch
 from tiny_fsdp.core.utils import huge_pages
 
 B = TypeVar("B")
+V = TypeVar("V")
 
 
 class MadeOnce(Generic[B]):
@@ -67,14 +76,63 @@ class MadeOnce(Generic[B]):
         return MadeOnce(len(self._made))
 
 
+class Memory(Generic[V]):
+    """A buffer of ``numel`` elements and the views ``make_views(buffer)`` derives from it,
+    made once; memory only between ``allocate`` and ``free`` ([Note: buffers made once])."""
+
+    def __init__(
+        self,
+        numel: int,
+        dtype: torch.dtype,
+        device: torch.device,
+        make_views: Callable[[torch.Tensor], V],
+    ) -> None:
+        self.numel, self.dtype, self.device = numel, dtype, device
+        self.nbytes = numel * dtype.itemsize
+        self._make_views = make_views
+        self._reuses = huge_pages.reuses(self.nbytes, device)
+        with torch.inference_mode(False):
+            self.buffer = torch.empty(numel, dtype=dtype, device=device)
+            self.views = make_views(self.buffer)
+        free(self.buffer)  # views are made while there is memory; then it goes until needed
+        self._made_once = self.buffer, self.views
+
+    def allocate(self) -> V:
+        """Give the buffer memory; its views, valid until ``free``."""
+        if self._reuses:
+            if self.buffer is not self._made_once[0]:
+                raise _allocated_twice()
+            with torch.inference_mode(False):
+                self.buffer = huge_pages.empty(self.numel, self.dtype, self.device)
+                self.views = self._make_views(self.buffer)
+        else:
+            allocate(self.buffer)
+        return self.views
+
+    def free(self) -> None:
+        """Return the memory (to the CPU cache: [Note: reusing large CPU blocks])."""
+        if self._reuses:
+            self.buffer, self.views = self._made_once
+        else:
+            free(self.buffer)
+
+    @property
+    def holds_memory(self) -> bool:
+        return holds_memory(self.buffer)
+
+
+def _allocated_twice() -> RuntimeError:
+    return RuntimeError(
+        "a unit was unsharded again while its last unshard still held its buffer ([Note: "
+        "buffers made once]): a bug in tiny_fsdp's prefetch order, please report it"
+    )
+
+
 def allocate(tensor: torch.Tensor) -> torch.Tensor:
     """Give a freed buffer its memory back (on the CPU in huge pages when large)."""
     storage = tensor.untyped_storage()
     if storage.nbytes():
-        raise RuntimeError(
-            "a unit was unsharded again while its last unshard still held its buffer ([Note: "
-            "buffers made once]): a bug in tiny_fsdp's prefetch order, please report it"
-        )
+        raise _allocated_twice()
     storage.resize_(tensor.numel() * tensor.element_size())
     huge_pages.advise(tensor)
     return tensor

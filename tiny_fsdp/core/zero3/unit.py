@@ -53,7 +53,7 @@ from tiny_fsdp.core import comm
 from tiny_fsdp.core.full_unit import FullUnit, copied_model_error
 from tiny_fsdp.core.streams import GATHER, CommHandle
 from tiny_fsdp.core.unit_layout import grouped, unit_params
-from tiny_fsdp.core.utils.storage import LocalViews, MadeOnce, allocate, free
+from tiny_fsdp.core.utils.storage import LocalViews, MadeOnce, Memory
 from tiny_fsdp.core.zero3.runtime import ATTR, TensorInfo, Zero3Runtime, owner_and_dtype
 
 
@@ -100,13 +100,14 @@ class BroadcastUnit(FullUnit):
                         broadcasts.append((made.local.of(group)[0], owner))
                         continue
                 # A buffer: to send the owned tensors concatenated (and cast), or to receive.
-                flat = allocate(made.flat)
+                views = made.memory.allocate()  # the full parameters, views of the buffer
+                flat = made.memory.buffer
                 rt.stats.add(flat)
                 buffers.append(made)
                 if own:
                     torch.cat(made.local.of(group), out=flat)
-                if not own or cast:  # the full parameters are views of the buffer
-                    full.update(made.full)
+                if not own or cast:
+                    full.update(views)
                 if rt.world_size > 1:
                     broadcasts.append((flat, owner))
 
@@ -149,7 +150,7 @@ class BroadcastUnit(FullUnit):
 
     def _free(self, buffers: List["_GroupBuffer"]) -> None:
         for made in buffers:
-            free(made.flat)
+            made.memory.free()
         self.runtime.stats.live_bytes -= sum(made.nbytes for made in buffers)
 
     def _group_buffer(
@@ -170,24 +171,22 @@ class _GroupBuffer:
         self.shapes = [_info(param).shape for param in group]
         self.ids = [id(param) for param in group]
         self.dtype, self.device = dtype, device
-        self._flat: Optional[torch.Tensor] = None
-        self.full: Dict[int, torch.Tensor] = {}  # id(local parameter) -> view of the buffer
+        self._memory: Optional[Memory[Dict[int, torch.Tensor]]] = None
         self.own = LocalViews(flat=False)  # the owner computes with these (no cast)
         self.local = LocalViews(flat=True)  # the owner sends these
 
     @property
-    def flat(self) -> torch.Tensor:
-        """The buffer (memory freed until ``allocate``); an owner that neither casts nor
-        concatenates never makes it."""
-        if self._flat is None:
-            numels = [shape.numel() for shape in self.shapes]
-            with torch.inference_mode(False):  # [Note: buffers made once]
-                flat = torch.empty(sum(numels), dtype=self.dtype, device=self.device)
-                parts = flat.split(numels)
-                self.full = {i: p.view(s) for i, p, s in zip(self.ids, parts, self.shapes)}
-            free(flat)
-            self._flat = flat
-        return self._flat
+    def memory(self) -> Memory[Dict[int, torch.Tensor]]:
+        """The buffer and the full tensors, id(local parameter) -> view of it; an owner that
+        neither casts nor concatenates never makes it."""
+        if self._memory is None:
+            numel = sum(shape.numel() for shape in self.shapes)
+            self._memory = Memory(numel, self.dtype, self.device, self._full_views)
+        return self._memory
+
+    def _full_views(self, flat: torch.Tensor) -> Dict[int, torch.Tensor]:
+        parts = flat.split([shape.numel() for shape in self.shapes])
+        return {i: p.view(s) for i, p, s in zip(self.ids, parts, self.shapes)}
 
     @property
     def nbytes(self) -> int:
