@@ -34,7 +34,7 @@ class PaddedViews(NamedTuple):
 class GatherBuffers:
     """One group's all-gather output (world_size * numel,), its padded copy-out and their views.
 
-    ``single``: a one-tensor group, whose output is its padded full tensor (no copy-out).
+    A one-tensor group has no copy-out (``padded`` None): its output is its padded full tensor.
     """
 
     def __init__(
@@ -58,11 +58,6 @@ class GatherBuffers:
                 numel, dtype, device, lambda p: _padded_views(p, world, ids, infos)
             )
         self.local = LocalViews(flat=True)  # the flat shards this rank sends
-
-    @property
-    def single(self) -> bool:
-        """A one-tensor group: no copy-out."""
-        return self.padded is None
 
     @property
     def full_memory(self) -> Memory:
