@@ -52,8 +52,9 @@ class Embedding(CallbackModule, nn.Embedding):
             # in fp32, rounded once to a low-precision weight's dtype, whatever a device's
             # index_add_ does in that dtype (tests/test_module.py checks one rounding).
             acc = torch.promote_types(weight.dtype, torch.float32)
-            # A fresh full-size buffer each backward: on the CPU in huge pages ([Note: huge
-            # pages for transient buffers]; with index_add_, for GPT-2's 51 MB: 21 -> 9 ms).
+            # A full-size buffer each backward: on the CPU, the block the last backward
+            # freed once nothing holds it, else a new one in huge pages ([Note: huge pages
+            # for transient buffers]).
             grad_weight = huge_pages.empty(weight.shape, acc, weight.device).zero_()
             grad_weight.index_add_(0, idx.reshape(-1), flat_grad.to(acc))
             grad_weight = grad_weight.to(weight.dtype)

@@ -57,7 +57,7 @@ _PAGE = 2 * 2**20
 _MADV_HUGEPAGE = 14
 _madvise: Optional[Callable[..., int]] = None
 _tried = False
-_free_blocks: Dict[int, List[torch.UntypedStorage]] = {}  # nbytes -> blocks made by empty
+_blocks: Dict[int, List[torch.UntypedStorage]] = {}  # nbytes -> blocks empty made, free or not
 _lock = threading.Lock()
 
 
@@ -68,12 +68,13 @@ def empty(
     process's earlier blocks, else a new one in huge pages ([Note: huge pages for transient
     buffers])."""
     size = torch.Size([shape] if isinstance(shape, int) else shape)
-    if not reuses(size.numel() * dtype.itemsize, device):
+    nbytes = size.numel() * dtype.itemsize
+    if not reuses(nbytes, device):
         tensor = torch.empty(size, dtype=dtype, device=device)
         advise(tensor)
         return tensor
     with _lock:  # taken (a tensor on it) before another thread may look for a free block
-        storage = _take(size.numel() * dtype.itemsize)
+        storage = _take(nbytes)
         return torch.empty((0,), dtype=dtype, device="cpu").set_(storage, 0, size)
 
 
@@ -90,7 +91,7 @@ def release_free() -> int:
 
 
 def _take(nbytes: int) -> torch.UntypedStorage:
-    blocks = _free_blocks.setdefault(nbytes, [])
+    blocks = _blocks.setdefault(nbytes, [])
     for storage in blocks:
         if _is_free(storage):
             return storage
@@ -98,19 +99,19 @@ def _take(nbytes: int) -> torch.UntypedStorage:
     block = torch.empty(nbytes, dtype=torch.uint8, device="cpu")
     advise(block)
     storage = block.untyped_storage()
-    _free_blocks.setdefault(nbytes, []).append(storage)
+    _blocks.setdefault(nbytes, []).append(storage)
     return storage
 
 
 def _release_free() -> int:
     released = 0
-    for nbytes, blocks in list(_free_blocks.items()):
+    for nbytes, blocks in list(_blocks.items()):
         kept = [storage for storage in blocks if not _is_free(storage)]
         released += nbytes * (len(blocks) - len(kept))
         if kept:
-            _free_blocks[nbytes] = kept
+            _blocks[nbytes] = kept
         else:
-            del _free_blocks[nbytes]
+            del _blocks[nbytes]
     return released
 
 
