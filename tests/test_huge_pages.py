@@ -95,16 +95,44 @@ def test_a_block_still_used_anywhere_is_never_handed_out() -> None:
     huge_pages.release_free()
 
 
-def test_free_blocks_go_back_to_the_os_on_request_and_when_a_new_size_is_made() -> None:
+def test_buffers_a_few_bytes_apart_share_blocks() -> None:
+    huge_pages.release_free()
+    padded = huge_pages.empty(LARGE + 128, torch.float32, CPU)  # e.g. padded to the world size
+    address = padded.data_ptr()
+    del padded
+    exact = huge_pages.empty(LARGE, torch.float32, CPU)
+    assert exact.data_ptr() == address
+    assert exact.untyped_storage().nbytes() == (LARGE + 128) * 4  # the block's own size
+    del exact
+    huge_pages.release_free()
+
+
+def test_sizes_a_step_asks_for_in_turn_keep_their_blocks() -> None:
+    huge_pages.release_free()
+    addresses = set()
+    for _ in range(4):  # a step: one size, then another while the first is free again
+        for numel in (LARGE, 2 * LARGE):
+            buffer = huge_pages.empty(numel, torch.float32, CPU)
+            addresses.add(buffer.data_ptr())
+            del buffer
+    assert len(addresses) == 2, "a block was released and made again"
+    assert huge_pages.release_free() == 3 * LARGE * 4
+
+
+def test_free_blocks_go_back_to_the_os_on_request_and_when_their_size_is_no_longer_asked_for():
     huge_pages.release_free()
     huge_pages.empty(LARGE, torch.float32, CPU)  # made, then free at once
     assert huge_pages.release_free() == LARGE * 4
     assert huge_pages.release_free() == 0
-    huge_pages.empty(LARGE, torch.float32, CPU)
-    bigger = huge_pages.empty(2 * LARGE, torch.float32, CPU)  # a miss: the free block goes
-    assert huge_pages.release_free() == 0
-    del bigger
-    assert huge_pages.release_free() == 8 * LARGE
+    for _ in range(3):  # a step asks for two sizes: the longest run between two of one is 2
+        huge_pages.empty(LARGE, torch.float32, CPU)
+        huge_pages.empty(2 * LARGE, torch.float32, CPU)
+    for _ in range(4):  # then a third alone: its first block is new, the others are kept
+        huge_pages.empty(3 * LARGE, torch.float32, CPU)
+    held = huge_pages.empty(4 * LARGE, torch.float32, CPU)  # new: the first two sizes go
+    assert huge_pages.release_free() == 3 * LARGE * 4  # the third size's block, free
+    del held
+    assert huge_pages.release_free() == 4 * LARGE * 4
 
 
 def test_small_and_non_cpu_buffers_are_plain_torch_empty() -> None:
