@@ -456,11 +456,14 @@ def test_one_gather_and_one_reduce_scatter_per_unit() -> None:
     tensors = sum(len([p for p in m.parameters(recurse=False)]) for m in layers)
     assert (len(layers), tensors) == (16, 29)  # the tied weight counts in wte and in lm_head
     # (forward gathers, backward gathers, reduce-scatters). The unit used first in backward
-    # (lm_head; with blocks, the root unit) stays gathered from forward to backward. One
-    # reduce-scatter per unit: per layer or tensor, or per block + root ([Note: unit reduction]).
+    # (lm_head; with blocks, the root unit) stays gathered from forward to backward; the two
+    # embeddings' backward reads no parameter value, so their own units are not gathered for it
+    # ([Note: full units]). One reduce-scatter per unit: per layer or tensor, or per block +
+    # root ([Note: unit reduction]).
+    embeddings = 2
     expected = {
-        "layer": (len(layers), len(layers) - 1, len(layers)),
-        "tensor": (tensors, tensors - 1, tensors),
+        "layer": (len(layers), len(layers) - 1 - embeddings, len(layers)),
+        "tensor": (tensors, tensors - 1 - embeddings, tensors),
         # The root unit holds wte and lm_head: their tied weight is gathered and reduced once.
         "blocks": (CFG.n_layer + 1, CFG.n_layer, CFG.n_layer + 1),
     }
@@ -661,8 +664,11 @@ def test_async_prefetch_serves_every_layer_but_the_first_of_each_pass() -> None:
     assert hits == {
         "async=False-step=0": 0,
         "async=False-step=1": 0,
-        "async=True-step=0": layers - 1,  # the first forward records the order; backward uses it
-        "async=True-step=1": 2 * (layers - 1),
+        # The first forward records the order; backward uses it. Every layer but the first of
+        # a pass is served by a prefetch; in backward, lm_head's unit is kept from forward and
+        # the two embeddings' units are not gathered at all ([Note: full units]).
+        "async=True-step=0": layers - 3,
+        "async=True-step=1": (layers - 1) + (layers - 3),
     }
 
 

@@ -10,6 +10,7 @@ class LoggedUnit:
 
     def __init__(self, name: str, log: List[Tuple[str, ...]]) -> None:
         self.name, self.log, self.is_unsharded = name, log, False
+        self.fetched_in_backward = True
 
     def unshard(self, async_op: bool) -> str:
         self.log.append(("unshard", self.name, "async" if async_op else "sync"))

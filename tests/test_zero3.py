@@ -199,8 +199,9 @@ def _memory(rank: int, world_size: int) -> None:
         trainable = _local_bytes(p for p in params if p.requires_grad)  # owned and trainable
         layers = [m for m in model.module.modules() if isinstance(m, CallbackModule)]
         uses = [p for m in layers for p in _params(m)]
-        # An embedding with a frozen weight has no backward at all: token ids need no gradient.
-        no_backward = [m for m in layers if isinstance(m, nn.Embedding) and not _trains(m)]
+        # An embedding's backward reads no parameter value, so it fetches nothing ([Note: full
+        # units]); with a frozen weight it has no backward at all (token ids need no gradient).
+        no_backward = [m for m in layers if isinstance(m, nn.Embedding)]
         # From the second step on (once the backward order is known), lm_head, the last layer
         # of forward and the first of backward, stays full from one to the other ([Note:
         # prefetch], keeps_after_forward): its tensors are broadcast once.
@@ -253,10 +254,6 @@ def _buffers_alive_after(model: Zero3, patience_s: float = 2.0) -> int:
     while model.fetch_stats.buffers_alive() and time.monotonic() < deadline:
         time.sleep(0.001)
     return model.fetch_stats.buffers_alive()
-
-
-def _trains(layer: nn.Module) -> bool:
-    return any(p.requires_grad for p in _params(layer))
 
 
 def _params(layer: nn.Module) -> List[nn.Parameter]:

@@ -17,7 +17,9 @@ it). Only passes whose forward has grad enabled have a BACKWARD part.
   layers in a row counts once): the forward order. The first BACKWARD part records its own;
   until one has run, the backward order is guessed as the forward order by last fetch,
   reversed (backward visits layers in reverse, so a unit is first needed at its last forward
-  use), and the fetches of a recomputation, which the guess does not know, prefetch nothing.
+  use), without the units no backward fetches (``fetched_in_backward``: embeddings alone,
+  [Note: full units]), and the fetches of a recomputation, which the guess does not know,
+  prefetch nothing.
 - Prefetch. With the wrapper's ``enable_async_communication``, a fetch of the unit at position
   i of its part's order unshards the units at i+1 .. i+``prefetch_limit`` asynchronously, at
   most ``prefetch_limit`` of them unconsumed at any time, so that they travel while unit i
@@ -70,6 +72,10 @@ class Unit(Protocol):
     @property
     def is_unsharded(self) -> bool:
         """Whether the unit holds full parameters a fetch can use as they are."""
+
+    @property
+    def fetched_in_backward(self) -> bool:
+        """Whether a backward fetches the unit (False: its layers' backward reads no value)."""
 
     def unshard(self, async_op: bool) -> Any:
         """Issue the collectives that make the parameters full; return the pending handle."""
@@ -135,7 +141,8 @@ class Prefetcher:
         forward = self._recording.pop(FORWARD, None)
         if forward is not None:
             self.orders[FORWARD] = forward
-            self.orders[BACKWARD] = list(dict.fromkeys(reversed(forward)))  # by last fetch
+            last_first = dict.fromkeys(reversed(forward))  # by last fetch
+            self.orders[BACKWARD] = [unit for unit in last_first if unit.fetched_in_backward]
             self._backward_guessed = True
         if self._backward_guessed and self._grad_forward:
             self._recording[BACKWARD] = []

@@ -8,7 +8,10 @@ unit reduction]). A layer's ``UnitHandler`` only routes the seam ([Note: param h
 - ``fetch``: the strategy's prefetcher makes the unit full (its prefetched unshard, or one
   issued now) and prefetches what follows ([Note: prefetch]); the layer's full parameters are
   then read from the unit.
-- ``release``: the unit reshards once all its layers are done in this phase.
+- ``release``: the unit reshards once all its layers that read it are done in this phase.
+- ``describe``: the unit's ``described`` tensors, for the backward of a layer that reads only
+  its parameters' description (an embedding): nothing is unsharded or held ([Note: full
+  units]).
 - ``reduce_grads``: the layer's full gradients go into the unit's sums, reduced once the unit's
   last layer has added and delivered into ``.grad`` at the end of the backward; so ``None`` is
   returned for every parameter ([Note: asynchronous reduction]).
@@ -51,6 +54,9 @@ class UnitHandler(ParamHandler):
     def release(self, module: nn.Module, phase: TrainingPhase) -> None:
         with strategy_code():
             self.unit.release(module, phase)
+
+    def describe(self, module: nn.Module) -> Params:
+        return self.unit.described(module)  # nothing gathered, nothing held
 
     def reduce_grads(self, module: nn.Module, grads: Params) -> Params:
         with strategy_code():

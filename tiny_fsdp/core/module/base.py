@@ -8,7 +8,8 @@ same constructor, parameters and ``state_dict`` keys. Its ``forward`` calls ``cl
 1. forward: ``ctx.params = handler.fetch(module, FORWARD)``, then
    ``out = module.forward_callback(ctx, *inputs)``, then ``handler.release(module, FORWARD)``;
 2. backward: ``ctx.params = handler.fetch(module, BACKWARD)`` (or the forward's, kept, when
-   the handler says ``reuses_forward_fetch``), then
+   the handler says ``reuses_forward_fetch``; or ``handler.describe(module)``, shape and dtype
+   without values, for a layer whose ``backward_reads_params`` is False), then
    ``grad_inputs, grad_params = module.backward_callback(ctx, grad_output)``, then
    ``handler.release(module, BACKWARD)`` and
    ``handler.reduce_grads(module, grad_params)`` gives the local parameters' gradients, which
@@ -96,7 +97,13 @@ class CallbackFunction(torch.autograd.Function):
         needs_grad = ctx.param_needs_grad
         ctx.param_needs_grad = _accumulated_this_backward(ctx, needs_grad)
         kept, ctx.forward_params = ctx.forward_params, None
-        ctx.params = handler.fetch(module, TrainingPhase.BACKWARD) if kept is None else kept
+        described = kept is None and not module.backward_reads_params
+        if kept is not None:
+            ctx.params = kept
+        elif described:  # the values are not read: nothing to fetch or release
+            ctx.params = handler.describe(module)
+        else:
+            ctx.params = handler.fetch(module, TrainingPhase.BACKWARD)
         rec = _trace.ACTIVE
         span = None if rec is None else rec.begin_layer(module, "backward")
         try:
@@ -107,7 +114,8 @@ class CallbackFunction(torch.autograd.Function):
             if span is not None:
                 rec.end(span)
             del ctx.params
-            handler.release(module, TrainingPhase.BACKWARD)
+            if not described:
+                handler.release(module, TrainingPhase.BACKWARD)
             wanted, ctx.param_needs_grad = ctx.param_needs_grad, needs_grad
         if not any(wanted):  # no parameter gradient goes anywhere: nothing to reduce
             return (None, None, *grad_inputs, *(None for _ in grad_params))
@@ -174,10 +182,14 @@ class CallbackModule(nn.Module):
         param_handler: how parameters are fetched / released / reduced ([Note: param handler]);
             a class default for single-device training, set per instance by a strategy.
         function: the ``autograd.Function`` of this class, created once per subclass.
+        backward_reads_params: False where ``backward_callback`` reads only the shape, dtype
+            and device of ``ctx.params`` (an embedding's scatter of rows): a strategy may then
+            hand it tensors of that description without gathering their values.
     """
 
     param_names: Tuple[str, ...] = ()
     param_handler: ParamHandler = LOCAL_HANDLER
+    backward_reads_params = True
     function: type
 
     @classmethod

@@ -20,6 +20,7 @@ class Embedding(CallbackModule, nn.Embedding):
     """
 
     param_names = ("weight",)
+    backward_reads_params = False  # the gradient is a scatter of grad_output's rows
 
     @classmethod
     def implements(cls, module: nn.Module) -> bool:

@@ -9,6 +9,10 @@ A wrapped layer (see ``base.py``) never touches communication. Each layer has a
   ``module.param_names`` order (``None`` for an absent bias). Single-device and DDP return the
   parameters themselves; FSDP all-gathers dim-0 shards; ZeRO-3 broadcasts from the owner.
 - ``release(module, phase)``: the layer is done with the full parameters (free gathered storage).
+- ``describe(module)``: tensors with the shape, dtype and device of the full parameters, whose
+  values are not read: what the backward of a layer with ``backward_reads_params`` False (an
+  embedding) gets instead of a fetch; nothing to release. By default a fetch and a release
+  (the description outlives the values); FSDP and ZeRO-3 gather nothing for it.
 - ``reduce_grads(module, grads)``: turn the gradients of the full parameters into the gradients
   of the *local* parameters (the tensors the module really holds: the full tensor, a dim-0 shard,
   or an empty tensor on a rank that does not own it). Per parameter it returns EITHER the local
@@ -70,6 +74,11 @@ class ParamHandler:
 
     def release(self, module: nn.Module, phase: TrainingPhase) -> None:
         pass
+
+    def describe(self, module: nn.Module) -> Params:
+        params = self.fetch(module, TrainingPhase.BACKWARD)
+        self.release(module, TrainingPhase.BACKWARD)
+        return params
 
     def reduce_grads(self, module: nn.Module, grads: Params) -> Params:
         return grads
