@@ -46,20 +46,27 @@ parts live in ``example/bench/``.
   its own. And with the order flipping every round, the first and last strategy of a phase
   follow themselves every other round, the others never: ``--settle 0`` measured FSDP / our
   DDP 1.08 where the default measured 1.03 (FSDP / FSDP2 0.92 and 0.91), one run each.
-- Every strategy trains ``1 + (warmup + steps - 1) * (settle + 1) + 1`` steps on the same
+- Every strategy trains ``1 + (warmup + steps - 1) * (settle + 1) + 2`` steps on the same
   batches. A timed step is forward, backward, optimizer step and zero_grad between a barrier
   and the slowest rank's end; reported: median and min-max over the ``steps`` measured ones,
   tokens/s of the global batch, and the median of the per-round ratios to the PyTorch
   counterpart (robust to drifting load).
-- The last step is the memory probe (untimed). All meters are ``tiny_fsdp.core.memory``'s
-  ([Note: allocation meters]). ``peak`` = bytes the strategy keeps (``allocated_bytes`` from
-  just before its build to after its first step) + the highest growth during the probe step
-  (``peak_growth``). ``RSS +``: growth of the process's peak RSS over the build and first step
-  (``reset_peak_rss`` first, so it is this strategy's). Parameters / gradients / optimizer /
-  buffers come from the memory ledger after the probe's optimizer step; "activations + other" is
-  the rest of the peak (for PyTorch's strategies it includes their internal buffers, e.g. DDP's
-  buckets, which the ledger cannot see). For the peak RSS of one strategy alone in fresh
-  processes, run it alone: ``--strategies fsdp``.
+- The last step is the memory probe (untimed), right after an untimed step of the same strategy.
+  All meters are ``tiny_fsdp.core.memory``'s ([Note: allocation meters]). ``peak`` = bytes the
+  strategy keeps (``allocated_bytes`` from just before its build to after its first step, less the
+  free blocks of the CPU block cache) + the cache's blocks reserved when the probe starts + the
+  highest growth during the probe step (``peak_growth``). The strategies of a phase share one
+  process, so its CPU block cache ([Note: reusing large CPU blocks] in
+  ``tiny_fsdp/core/utils/huge_pages.py``): it is emptied before each build and before the step
+  that precedes each probe, so that the blocks a peak counts are the strategy's own, reserved
+  between its steps as in a run of it alone (without this, FSDP's peak in the README's run of
+  f7174ff read 995 MiB, blocks being shared with other strategies; run alone it was 1,097).
+  ``RSS +``: growth of the process's peak RSS over the build and first step (``reset_peak_rss``
+  first, so it is this strategy's). Parameters / gradients / optimizer / buffers come from the
+  memory ledger after the probe's optimizer step; "activations + other" is the rest of the peak
+  (for PyTorch's strategies it includes their internal buffers, e.g. DDP's buckets, which the
+  ledger cannot see). For the peak RSS of one strategy alone in fresh processes, run it alone:
+  ``--strategies fsdp``.
 - "model states (formula)": the ledger's params + grads + optimizer, and in brackets the ZeRO
   formula's prediction (``tiny_fsdp.estimate``) for our strategies.
 - Traffic per step and rank: our collectives from ``LEDGER`` (exact); PyTorch's FSDP2 and

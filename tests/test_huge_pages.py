@@ -135,6 +135,17 @@ def test_free_blocks_go_back_to_the_os_on_request_and_when_their_size_is_no_long
     assert huge_pages.release_free() == 4 * LARGE * 4
 
 
+def test_free_bytes_counts_the_blocks_nothing_uses() -> None:
+    huge_pages.release_free()
+    held = huge_pages.empty(LARGE, torch.float32, CPU)
+    huge_pages.empty(2 * LARGE, torch.float32, CPU)  # free at once
+    assert huge_pages.free_bytes() == 2 * LARGE * 4
+    del held
+    assert huge_pages.free_bytes() == 3 * LARGE * 4
+    huge_pages.release_free()
+    assert huge_pages.free_bytes() == 0
+
+
 def test_small_and_non_cpu_buffers_are_plain_torch_empty() -> None:
     huge_pages.release_free()
     small = huge_pages.empty(LARGE // 2, torch.float32, CPU)
