@@ -2,8 +2,9 @@
 
 [Note: param handler]
 A wrapped layer (see ``base.py``) never touches communication. Each layer has a
-``param_handler`` that answers three questions, and a strategy is nothing more than a handler
-(the words full / local / shard / owned are defined in [Note: glossary], ``core/glossary.py``):
+``param_handler`` that answers three questions (and a fourth, with a default), and a strategy
+is nothing more than a handler (the words full / local / shard / owned are defined in [Note:
+glossary], ``core/glossary.py``):
 
 - ``fetch(module, phase)``: the *full* parameters the layer computes with, in
   ``module.param_names`` order (``None`` for an absent bias). Single-device and DDP return the

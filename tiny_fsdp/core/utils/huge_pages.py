@@ -47,10 +47,15 @@ batch 4 x 256, 12 rounds alternating step by step in one run, load 2.0-2.6, whic
 these ratios by a few hundredths): FSDP's step went from 1.092 to 1.010 x our DDP's, ZeRO-3's
 from 1.040 to 1.032 (in a second run, with the gradient buffers alone reused already: FSDP
 1.016 -> 1.029, ZeRO-3 1.077 -> 1.002); the forward, which starts with the root unit's gather,
-took 30-75 ms less. The benchmark's peak per rank (the most bytes allocated in a step, reserved
-ones included) stayed at 994 MiB under FSDP (its blocks are in use at its peak) and rose from
-1,003 to 1,106 MiB under ZeRO-3, whose peak comes while two reserved 49 MiB blocks (the root
-unit's gradient buffer and the embedding's gradient) wait for their next use.
+took 30-75 ms less. The benchmark's peak per rank (the most bytes allocated in a step, a
+strategy's own reserved blocks included: [Note: benchmark method]) rose under FSDP from 994 to
+1,044 MiB (1,097 until the embedding's backward stopped holding the root unit, [Note: full
+units]): at its peak, at the end of the forward, the block of the root unit's all-gather output
+waits for the next step. Under ZeRO-3 it rose from 1,003 to 1,101 MiB: two reserved 49 MiB
+blocks (the root unit's gradient buffer and the embedding's gradient) wait at its peak. Both
+rises are within the bound on the reduction buffers in flight ((in_flight_limit + 1) x the
+largest reduction input, 148 MiB here: [Note: asynchronous reduction]), though the blocks are
+not all reduction buffers: that memory buys the speed.
 """
 
 import ctypes
