@@ -35,6 +35,7 @@ from torch import nn
 from tiny_fsdp.core.module.handler import Params, TrainingPhase
 from tiny_fsdp.core.module.layer import local_param
 from tiny_fsdp.core.prefetch import Prefetcher
+from tiny_fsdp.core.utils.tensor_queries import stand_in
 
 
 class FullUnit:
@@ -80,7 +81,7 @@ class FullUnit:
 
     def described(self, layer: nn.Module) -> Params:
         """Tensors with the shape, dtype and device of ``layer``'s full parameters, one element
-        each expanded (stride 0), made once, for a backward that reads nothing else; neither
+        each expanded (``stand_in``), made once, for a backward that reads nothing else; neither
         held nor released. The unit was full at least once (in the layer's forward)."""
         described = self._described
         return tuple(None if p is None else described[id(p)] for p in self._locals[layer])
@@ -109,10 +110,7 @@ class FullUnit:
         """The unshard is complete: ``full`` maps id(local parameter) -> its full tensor."""
         self._full = full
         if self._described.keys() != full.keys():
-            self._described = {
-                key: torch.empty((), dtype=t.dtype, device=t.device).expand(t.shape)
-                for key, t in full.items()
-            }
+            self._described = {key: stand_in(t.shape, t.dtype, t.device) for key, t in full.items()}
         self._clear_released()
 
     def reshard(self) -> None:

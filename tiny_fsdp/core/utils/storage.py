@@ -94,7 +94,7 @@ class Memory(Generic[V]):
         with torch.inference_mode(False):
             self.buffer = torch.empty(numel, dtype=dtype, device=device)
             self.views = make_views(self.buffer)
-        free(self.buffer)  # views are made while there is memory; then it goes until needed
+        _free(self.buffer)  # views are made while there is memory; then it goes until needed
         self._made_once = self.buffer, self.views
 
     def allocate(self) -> V:
@@ -106,7 +106,7 @@ class Memory(Generic[V]):
                 self.buffer = huge_pages.empty(self.numel, self.dtype, self.device)
                 self.views = self._make_views(self.buffer)
         else:
-            allocate(self.buffer)
+            _allocate(self.buffer)
         return self.views
 
     def free(self) -> None:
@@ -114,7 +114,7 @@ class Memory(Generic[V]):
         if self._reuses:
             self.buffer, self.views = self._made_once
         else:
-            free(self.buffer)
+            _free(self.buffer)
 
     @property
     def holds_memory(self) -> bool:
@@ -128,7 +128,7 @@ def _allocated_twice() -> RuntimeError:
     )
 
 
-def allocate(tensor: torch.Tensor) -> torch.Tensor:
+def _allocate(tensor: torch.Tensor) -> torch.Tensor:
     """Give a freed buffer its memory back (on the CPU in huge pages when large)."""
     storage = tensor.untyped_storage()
     if storage.nbytes():
@@ -138,7 +138,7 @@ def allocate(tensor: torch.Tensor) -> torch.Tensor:
     return tensor
 
 
-def free(tensor: torch.Tensor) -> None:
+def _free(tensor: torch.Tensor) -> None:
     """Return a buffer's memory; it and its views stay, spanning no memory until ``allocate``."""
     tensor.untyped_storage().resize_(0)
 
