@@ -1,4 +1,4 @@
-"""Specification of the reduce-scatter on gloo ([Note: collectives on gloo]).
+"""Specification of the reduce-scatter and the reduce on gloo ([Note: collectives on gloo]).
 
 On a gloo group, ``comm.reduce_scatter`` (SUM) of 2 ranks into a tensor of its own is one send
 and one receive. Every rank must get, bit for bit, c_0 + c_1 of the two ranks' chunk ``rank``
@@ -9,6 +9,11 @@ never comes. On 3 ranks (reduces) the same sum up to the rounding of another ord
 additions. A rank that fails while the others wait in one makes them raise at the collective
 timeout: ``tests/test_failure.py`` (FSDP on 2 ranks, failing in backward with reductions in
 flight).
+
+``comm.reduce`` (SUM) on 2 ranks is one send and one receive: the destination must get, bit for
+bit, a_0 + a_1 in the ``output`` it names or in place, to either rank, with reduces and
+reduce-scatters in flight at once; on 3 ranks gloo's reduce, the same sum up to the order of
+its additions. ``comm.reduces_into_output`` says which of the two a group does.
 """
 
 import threading
@@ -86,3 +91,47 @@ def _waited_by_two_threads(rank: int, world_size: int) -> bool:
 
 def test_a_reduce_scatter_waited_for_by_two_threads_completes_once() -> None:
     assert run_distributed(_waited_by_two_threads, 2, timeout=90) == [True, True]
+
+
+def _rank_order_totals(inputs: List[torch.Tensor], world_size: int) -> List[tuple]:
+    """What every input's reduce must leave on its destination: (the rank-order sum of every
+    rank's input, the sum of their magnitudes)."""
+    return _rank_order_sums([x.repeat(world_size) for x in inputs], 0, world_size)
+
+
+def _reduces_in_flight(rank: int, world_size: int) -> bool:
+    torch.manual_seed(rank)
+    for dtype in (torch.float32, torch.bfloat16):
+        for where in ("apart", "in place", "not given"):
+            inputs = [torch.randn(world_size * CHUNK).to(dtype) for _ in range(4)]
+            expected = _rank_order_totals(inputs, world_size)
+            dsts = [i % world_size for i in range(len(inputs))]  # every rank receives some
+            outputs = [torch.empty_like(x) if where == "apart" else x for x in inputs]
+            reduces, scatters = [], []
+            for x, output, dst in zip(inputs, outputs, dsts):
+                kw = {} if where == "not given" else {"output": output}
+                reduces.append(comm.reduce(x, dst=dst, async_op=True, **kw))
+                ones = torch.ones(world_size * CHUNK, dtype=dtype)  # a reduce-scatter between
+                scattered = torch.empty(CHUNK, dtype=dtype)
+                scatters.append((scattered, comm.reduce_scatter(scattered, ones, async_op=True)))
+            for work in reversed(reduces):  # waited for in any order: they travel in issue order
+                work.wait()
+            for scattered, work in scatters:
+                work.wait()
+                assert torch.equal(scattered, torch.full_like(scattered, world_size))
+            for output, dst, (want, magnitude) in zip(outputs, dsts, expected):
+                if dst != rank:
+                    continue
+                assert output.dtype == dtype
+                if world_size == 2:  # one addition: a + b and b + a are the same bits
+                    assert torch.equal(output, want), (dtype, where, output, want)
+                else:  # another order of the additions: see _reduce_scatters_in_flight
+                    u = torch.finfo(dtype).eps / 2
+                    bound = 2 * (world_size - 1) * u * magnitude
+                    assert ((output.float() - want.float()).abs() <= bound).all()
+    return comm.reduces_into_output(torch.empty(1))
+
+
+def test_reduce_on_gloo_leaves_the_sum_in_the_output_of_the_destination() -> None:
+    assert run_distributed(_reduces_in_flight, 2) == [True, True]
+    assert run_distributed(_reduces_in_flight, 3) == [False] * 3

@@ -89,10 +89,17 @@ def _reduce_tensor(
     op: dist.ReduceOp = dist.ReduceOp.SUM,
     group: Any = None,
     async_op: bool = False,
+    output: Optional[torch.Tensor] = None,
 ) -> Any:
     if gloo_collectives.is_gloo(group):  # [Note: collectives on gloo]
-        return gloo_collectives.reduce(tensor, dst, op, group, async_op)
-    return dist.reduce(tensor, dst=dst, op=op, group=group, async_op=async_op)
+        return gloo_collectives.reduce(tensor, dst, op, group, async_op, output)
+    work = dist.reduce(tensor, dst=dst, op=op, group=group, async_op=async_op)
+    if output is None or output.data_ptr() == tensor.data_ptr() or dist.get_rank() != dst:
+        return work
+    if work is not None:
+        work.wait()  # CUDA: the current stream waits for the reduce, not the host
+    output.copy_(tensor)
+    return _DoneWork() if async_op else None
 
 
 _RING_FACTOR = {"all_reduce": 2.0}  # every other kind: 1.0
@@ -205,6 +212,9 @@ def _on_one_rank(kind: str, *args: Any, group: Any, async_op: bool, **kw: Any) -
         output, input = args
         if output.data_ptr() != input.data_ptr():
             output.view(-1).copy_(input.view(-1))
+    if kind == "reduce" and kw.get("output") is not None:  # args: (tensor,)
+        if kw["output"].data_ptr() != args[0].data_ptr():
+            kw["output"].copy_(args[0])
     return _DoneWork() if async_op else None
 
 
@@ -314,7 +324,11 @@ def reduce(
     group: Optional[dist.ProcessGroup] = None,
     async_op: bool = False,
     label: Optional[str] = None,
+    output: Optional[torch.Tensor] = None,
 ) -> Optional[dist.Work]:
+    """``output`` (default: ``tensor`` itself) on global rank ``dst`` <- the reduction of every
+    rank's ``tensor``, which is scratch afterwards; ``output`` is ignored on the other ranks.
+    ``reduces_into_output`` says when an ``output`` apart from ``tensor`` costs no copy."""
     return _issue(
         "reduce",
         tensor,
@@ -325,7 +339,17 @@ def reduce(
         group=group,
         async_op=async_op,
         label=label,
+        output=output,
     )
+
+
+def reduces_into_output(tensor: torch.Tensor, group: Optional[dist.ProcessGroup] = None) -> bool:
+    """Whether a SUM ``reduce`` of ``tensor`` on ``group`` receives the other rank's tensor into
+    ``output`` and adds ``tensor`` to it (2 CPU ranks on gloo, [Note: collectives on gloo]):
+    then an ``output`` apart from ``tensor`` is the receive buffer, where in place the
+    destination receives into a buffer of its own. Elsewhere ``reduce`` works in place and
+    an ``output`` apart costs a copy."""
+    return gloo_collectives.is_gloo(group) and gloo_collectives.pairs(tensor, group)
 
 
 def all_gather_object(obj: object, group: Optional[dist.ProcessGroup] = None) -> List[object]:

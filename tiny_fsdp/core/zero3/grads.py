@@ -1,9 +1,10 @@
 """ZeRO-3's unit gradients: the unit's full gradients of one owner and dtype, reduced to the owner.
 
 A group's buffer is the full gradients of its tensors, concatenated (flattened, in order). A
-SUM-reduce to the owner leaves the average there; the owner's parts are views of its buffer
-([Note: unit reduction]). Every rank, owner or not, builds the same buffer, so the collectives
-match.
+SUM-reduce to the owner leaves the average there; the owner's parts are views of its buffer, or,
+where the reduce receives the other rank's buffer whole (2 CPU ranks, [Note: collectives on
+gloo]), of the buffer it is received into ([Note: unit reduction]). Every rank, owner or not,
+builds the same buffer, so the collectives match.
 """
 
 from typing import FrozenSet, List, Optional
@@ -11,7 +12,9 @@ from typing import FrozenSet, List, Optional
 import torch
 from torch import nn
 
+from tiny_fsdp.core import comm
 from tiny_fsdp.core.unit_grads import UnitGradients
+from tiny_fsdp.core.utils import huge_pages
 from tiny_fsdp.core.zero3.runtime import ATTR, owner_and_dtype
 
 
@@ -47,9 +50,12 @@ class ReduceToOwnerGrads(UnitGradients):
         self, group: List[nn.Parameter], buffer: torch.Tensor, unused: FrozenSet[int]
     ) -> None:
         owner = getattr(group[0], ATTR).owner
-        parts = []
+        parts, output = [], None
         if owner == self.state.rank:
+            output = buffer
+            if comm.reduces_into_output(buffer):  # 2 CPU ranks: receive into a buffer apart
+                output = huge_pages.empty(buffer.numel(), buffer.dtype, buffer.device)
             shapes = [getattr(param, ATTR).shape for param in group]
-            pieces = buffer.split([shape.numel() for shape in shapes])  # one op, not one a part
+            pieces = output.split([shape.numel() for shape in shapes])  # one op, not one a part
             parts = [(p, piece.view(s)) for p, s, piece in zip(group, shapes, pieces)]
-        self.state.launch_reduce(buffer, owner, parts, unused)
+        self.state.launch_reduce(buffer, owner, parts, unused, output)

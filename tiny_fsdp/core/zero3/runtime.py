@@ -74,16 +74,17 @@ class Zero3Runtime(UnitState):
         owner: int,
         parts: Sequence[Tuple[nn.Parameter, torch.Tensor]],
         unused: FrozenSet[int] = frozenset(),
+        output: Optional[torch.Tensor] = None,
     ) -> None:
-        """SUM-reduce ``buffer`` to ``owner``; ``parts`` (views of it, on the owner) go to
-        ``.grad`` at the end of the backward ([Note: asynchronous reduction])."""
+        """SUM-reduce ``buffer`` to ``owner``, into ``output`` there (``buffer`` itself or a
+        tensor of its size: ``comm.reduce``); ``parts`` (views of ``output``, on the owner) go
+        to ``.grad`` at the end of the backward ([Note: asynchronous reduction])."""
 
         def launch(async_op: bool) -> List[Any]:
             if self.world_size == 1:
-                return []  # one rank: the reduction is the identity
-            return [comm.reduce(buffer, dst=owner, async_op=async_op)]
+                return []  # one rank: the reduction is the identity (output is buffer)
+            return [comm.reduce(buffer, dst=owner, async_op=async_op, output=output)]
 
-        output = buffer if owner == self.rank else None  # the owner's parts are views of it
         self.reductions.launch(
             launch, (buffer,), parts, self.async_comm, unused=unused, output=output
         )
