@@ -75,6 +75,18 @@ def test_a_freed_large_block_is_handed_out_again_in_any_shape_and_dtype() -> Non
     huge_pages.release_free()
 
 
+def test_a_block_asked_for_without_reuse_is_neither_taken_from_the_cache_nor_kept() -> None:
+    huge_pages.release_free()
+    cached = huge_pages.empty(LARGE, torch.float32, CPU)
+    address = cached.data_ptr()
+    del cached  # a free block of this size
+    fresh = huge_pages.empty(LARGE, torch.float32, CPU, reuse=False)
+    assert fresh.data_ptr() != address
+    del fresh
+    assert huge_pages.free_bytes() == LARGE * 4  # the cached block alone
+    huge_pages.release_free()
+
+
 def test_a_block_still_used_anywhere_is_never_handed_out() -> None:
     taken = huge_pages.empty(LARGE, torch.float32, CPU)
     other = huge_pages.empty(LARGE, torch.float32, CPU)  # while the first is alive

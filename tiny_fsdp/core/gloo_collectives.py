@@ -32,10 +32,11 @@ and 14-16 ms for one send and its receive). So on a gloo group ``comm.all_gather
   its ``tensor`` once the receive is done (in place, ``output`` being ``tensor`` or not given,
   it receives into a buffer of its own and adds that into ``tensor``). ZeRO-3 passes an
   ``output`` where ``comm.reduces_into_output`` says so, so its byte ledger counts the receive
-  buffer ([Note: asynchronous reduction]). Any other reduce is gloo's. In ZeRO-3's step on
-  gpt2_mini (2 ranks, 10 rounds alternating with the reduces of gloo, load 1.8-2.0) the
-  process's CPU time went from 1,834 to 1,703 ms and the step from 0.86 to 0.80 x FSDP2's;
-  on a 12-layer Llama of width 768 (3 rounds) from 1.01 to 0.99 x our DDP's.
+  buffer ([Note: asynchronous reduction]). Any other reduce is gloo's. ZeRO-3's steps against
+  the same steps with gloo's reduce, alternating in one run, 2 ranks, load 2.0-2.1: on
+  gpt2_mini (12 rounds) a process's CPU time per step went from 1,706 to 1,658 ms and the
+  step from 0.88 to 0.85 x FSDP2's; on an HF Llama of 12 layers of width 768 (3 rounds, batch
+  2 x 256) from 5,613 to 5,131 ms and from 1.075 to 1.028 x our DDP's.
 
 The result is the same collective: the same elements summed, the same bytes on the ledger,
 which counts the logical all-gather or reduce-scatter once ([Note: communication ledger]). The

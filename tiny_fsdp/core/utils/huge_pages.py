@@ -55,7 +55,11 @@ waits for the next step. Under ZeRO-3 it rose from 1,003 to 1,101 MiB: two reser
 blocks (the root unit's gradient buffer and the embedding's gradient) wait at its peak. Both
 rises are within the bound on the reduction buffers in flight ((in_flight_limit + 1) x the
 largest reduction input, 148 MiB here: [Note: asynchronous reduction]), though the blocks are
-not all reduction buffers: that memory buys the speed.
+not all reduction buffers: that memory buys the speed. A block that would add one more to those
+waiting through the peak asks for a new one instead (``reuse=False``): ZeRO-3's receive buffer
+on 2 ranks ([Note: collectives on gloo]), a third block of the root unit's size, live at the end
+of the backward with its gradient buffer and the embedding's gradient; cached, it raised
+ZeRO-3's peak to 1,151 MiB, and its steps took no less CPU time than with a new block each.
 """
 
 import ctypes
@@ -80,14 +84,17 @@ _lock = threading.Lock()
 
 
 def empty(
-    shape: Union[int, Sequence[int]], dtype: torch.dtype, device: torch.device
+    shape: Union[int, Sequence[int]],
+    dtype: torch.dtype,
+    device: torch.device,
+    reuse: bool = True,
 ) -> torch.Tensor:
     """``torch.empty(shape, dtype, device)``; on the CPU, a large block is a free one of this
     process's earlier blocks, else a new one in huge pages ([Note: huge pages for transient
-    buffers])."""
+    buffers]). ``reuse=False``: a new block, not kept for later requests."""
     size = torch.Size([shape] if isinstance(shape, int) else shape)
     nbytes = size.numel() * dtype.itemsize
-    if not reuses(nbytes, device):
+    if not (reuse and reuses(nbytes, device)):
         tensor = torch.empty(size, dtype=dtype, device=device)
         advise(tensor)
         return tensor

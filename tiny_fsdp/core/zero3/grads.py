@@ -54,7 +54,9 @@ class ReduceToOwnerGrads(UnitGradients):
         if owner == self.state.rank:
             output = buffer
             if comm.reduces_into_output(buffer):  # 2 CPU ranks: receive into a buffer apart
-                output = huge_pages.empty(buffer.numel(), buffer.dtype, buffer.device)
+                # Not a cached block: it would be a third one of the root unit's size (with its
+                # buffer and the embedding's gradient), reserved through the forward's peak.
+                output = huge_pages.empty(buffer.numel(), buffer.dtype, buffer.device, False)
             shapes = [getattr(param, ATTR).shape for param in group]
             pieces = output.split([shape.numel() for shape in shapes])  # one op, not one a part
             parts = [(p, piece.view(s)) for p, s, piece in zip(group, shapes, pieces)]
