@@ -135,3 +135,4 @@ def _reduces_in_flight(rank: int, world_size: int) -> bool:
 def test_reduce_on_gloo_leaves_the_sum_in_the_output_of_the_destination() -> None:
     assert run_distributed(_reduces_in_flight, 2) == [True, True]
     assert run_distributed(_reduces_in_flight, 3) == [False] * 3
+    assert run_distributed(_reduces_in_flight, 1) == [False]  # the identity, into the output

@@ -327,8 +327,9 @@ def reduce(
     output: Optional[torch.Tensor] = None,
 ) -> Optional[dist.Work]:
     """``output`` (default: ``tensor`` itself) on global rank ``dst`` <- the reduction of every
-    rank's ``tensor``, which is scratch afterwards; ``output`` is ignored on the other ranks.
-    ``reduces_into_output`` says when an ``output`` apart from ``tensor`` costs no copy."""
+    rank's ``tensor``; ``output`` is ignored on the other ranks, and ``tensor`` is scratch
+    afterwards wherever it is not the output. ``reduces_into_output`` says when an ``output``
+    apart from ``tensor`` costs no copy."""
     return _issue(
         "reduce",
         tensor,
