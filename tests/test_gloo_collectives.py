@@ -13,7 +13,9 @@ flight).
 ``comm.reduce`` (SUM) on 2 ranks is one send and one receive: the destination must get, bit for
 bit, a_0 + a_1 in the ``output`` it names or in place, to either rank, with reduces and
 reduce-scatters in flight at once; on 3 ranks gloo's reduce, the same sum up to the order of
-its additions. ``comm.reduces_into_output`` says which of the two a group does.
+its additions. ``comm.reduces_into_output`` says which of the two a group does. In place,
+the destination's receive buffer is not one the block cache keeps (an occasional reduce, a
+checkpoint's, leaves no block reserved).
 """
 
 import threading
@@ -136,3 +138,17 @@ def test_reduce_on_gloo_leaves_the_sum_in_the_output_of_the_destination() -> Non
     assert run_distributed(_reduces_in_flight, 2) == [True, True]
     assert run_distributed(_reduces_in_flight, 3) == [False] * 3
     assert run_distributed(_reduces_in_flight, 1) == [False]  # the identity, into the output
+
+
+def _large_reduce_in_place(rank: int, world_size: int) -> int:
+    from tiny_fsdp.core.utils import huge_pages
+
+    huge_pages.release_free()
+    x = torch.full((huge_pages.CACHE_BYTES // 4,), float(rank + 1))  # a block the cache keeps
+    comm.reduce(x, dst=0)
+    assert rank != 0 or torch.equal(x, torch.full_like(x, 3.0))
+    return huge_pages.free_bytes()
+
+
+def test_a_reduce_in_place_leaves_no_cached_block_behind() -> None:
+    assert run_distributed(_large_reduce_in_place, 2) == [0, 0]

@@ -30,13 +30,14 @@ and 14-16 ms for one send and its receive). So on a gloo group ``comm.all_gather
 - reduce (a SUM) of ``tensor`` to rank ``dst`` on 2 ranks (ZeRO-3's unit reductions): the other
   rank sends its ``tensor``; ``dst`` receives it into ``output``, a tensor of its own, and adds
   its ``tensor`` once the receive is done (in place, ``output`` being ``tensor`` or not given,
-  it receives into a buffer of its own and adds that into ``tensor``). ZeRO-3 passes an
-  ``output`` where ``comm.reduces_into_output`` says so, so its byte ledger counts the receive
-  buffer ([Note: asynchronous reduction]). Any other reduce is gloo's. ZeRO-3's steps against
-  the same steps with gloo's reduce, alternating in one run, 2 ranks, load 2.0-2.1: on
-  gpt2_mini (12 rounds) a process's CPU time per step went from 1,706 to 1,658 ms and the
-  step from 0.88 to 0.85 x FSDP2's; on an HF Llama of 12 layers of width 768 (3 rounds, batch
-  2 x 256) from 5,613 to 5,131 ms and from 1.075 to 1.028 x our DDP's.
+  it receives into a new buffer, not one the block cache keeps for later, and adds that into
+  ``tensor``: a checkpoint's or the planner's occasional reduce leaves no block behind). ZeRO-3
+  passes an ``output`` where ``comm.reduces_into_output`` says so, so its byte ledger counts
+  the receive buffer ([Note: asynchronous reduction]). Any other reduce is gloo's. ZeRO-3's
+  steps against the same steps with gloo's reduce, alternating in one run, 2 ranks, load
+  2.0-2.1: on gpt2_mini (12 rounds) a process's CPU time per step went from 1,706 to 1,658 ms
+  and the step from 0.88 to 0.85 x FSDP2's; on an HF Llama of 12 layers of width 768 (3
+  rounds, batch 2 x 256) from 5,613 to 5,131 ms and from 1.075 to 1.028 x our DDP's.
 
 The result is the same collective: the same elements summed, the same bytes on the ledger,
 which counts the logical all-gather or reduce-scatter once ([Note: communication ledger]). The
@@ -229,7 +230,7 @@ def _sum_to_pair(
         works = [dist.isend(tensor, dst=peer, group=group, tag=P2P_TAG)]
         return GlooWorks(works, None, _timeout(group))
     if output is None or output.data_ptr() == tensor.data_ptr():
-        into = huge_pages.empty(tensor.shape, tensor.dtype, tensor.device)
+        into = huge_pages.empty(tensor.shape, tensor.dtype, tensor.device, reuse=False)
         finish = functools.partial(tensor.add_, into)
     else:
         into, finish = output, functools.partial(output.add_, tensor)
