@@ -94,7 +94,7 @@ def _reduce_tensor(
     if gloo_collectives.is_gloo(group):  # [Note: collectives on gloo]
         return gloo_collectives.reduce(tensor, dst, op, group, async_op, output)
     work = dist.reduce(tensor, dst=dst, op=op, group=group, async_op=async_op)
-    if output is None or output.data_ptr() == tensor.data_ptr() or dist.get_rank() != dst:
+    if not gloo_collectives.output_apart(output, tensor) or dist.get_rank() != dst:
         return work
     if work is not None:
         work.wait()  # CUDA: the current stream waits for the reduce, not the host
@@ -212,9 +212,8 @@ def _on_one_rank(kind: str, *args: Any, group: Any, async_op: bool, **kw: Any) -
         output, input = args
         if output.data_ptr() != input.data_ptr():
             output.view(-1).copy_(input.view(-1))
-    if kind == "reduce" and kw.get("output") is not None:  # args: (tensor,)
-        if kw["output"].data_ptr() != args[0].data_ptr():
-            kw["output"].copy_(args[0])
+    if kind == "reduce" and gloo_collectives.output_apart(kw.get("output"), args[0]):
+        kw["output"].copy_(args[0])  # args: (tensor,)
     return _DoneWork() if async_op else None
 
 

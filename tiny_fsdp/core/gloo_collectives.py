@@ -129,9 +129,14 @@ def is_gloo(group: Optional[dist.ProcessGroup]) -> bool:
 
 
 def pairs(tensor: torch.Tensor, group: Optional[dist.ProcessGroup]) -> bool:
-    """Whether a SUM ``reduce`` of ``tensor`` on ``group`` is one send and one receive: 2 ranks,
-    CPU ([Note: collectives on gloo])."""
+    """Whether a SUM ``reduce`` (or a reduce-scatter into a tensor of its own) of ``tensor`` on
+    ``group`` is one send and one receive: 2 ranks, CPU ([Note: collectives on gloo])."""
     return tensor.device.type == "cpu" and dist.get_world_size(group) == 2
+
+
+def output_apart(output: Optional[torch.Tensor], tensor: torch.Tensor) -> bool:
+    """Whether a reduce's ``output`` is given and is not ``tensor`` itself (in place)."""
+    return output is not None and output.data_ptr() != tensor.data_ptr()
 
 
 def reduce(
@@ -148,10 +153,8 @@ def reduce(
     if op == dist.ReduceOp.SUM and pairs(tensor, group):
         return _finish(_sum_to_pair(tensor, dst, output, group), async_op)
     copy = None
-    if output is not None and output.data_ptr() != tensor.data_ptr() and dist.get_rank() == dst:
+    if output_apart(output, tensor) and dist.get_rank() == dst:
         copy = functools.partial(output.copy_, tensor)
-    if tensor.device.type != "cuda" and copy is None:
-        return dist.reduce(tensor, dst=dst, op=op, group=group, async_op=async_op)
     if tensor.device.type != "cuda":
         works = [dist.reduce(tensor, dst=dst, op=op, group=group, async_op=True)]
     else:
@@ -189,7 +192,7 @@ def reduce_scatter(
     own = chunks[rank]
     in_place = own.data_ptr() == output.data_ptr()
     apart = output.untyped_storage().data_ptr() != input.untyped_storage().data_ptr()
-    if n == 2 and apart and op == dist.ReduceOp.SUM and input.device.type != "cuda":
+    if apart and op == dist.ReduceOp.SUM and pairs(input, group):
         return _finish(_sum_scatter_pair(output, chunks, group), async_op)
     if input.device.type == "cuda":  # gloo has no CUDA reduce
         works = [dist.all_reduce(input, op=op, group=group, async_op=True)]
@@ -229,7 +232,7 @@ def _sum_to_pair(
     if dist.get_rank() != dst:
         works = [dist.isend(tensor, dst=peer, group=group, tag=P2P_TAG)]
         return GlooWorks(works, None, _timeout(group))
-    if output is None or output.data_ptr() == tensor.data_ptr():
+    if not output_apart(output, tensor):
         into = huge_pages.empty(tensor.shape, tensor.dtype, tensor.device, reuse=False)
         finish = functools.partial(tensor.add_, into)
     else:

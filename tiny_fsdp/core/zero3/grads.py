@@ -56,7 +56,7 @@ class ReduceToOwnerGrads(UnitGradients):
             if comm.reduces_into_output(buffer):  # 2 CPU ranks: receive into a buffer apart
                 # Not a cached block: it would be a third one of the root unit's size (with its
                 # buffer and the embedding's gradient), reserved through the forward's peak.
-                output = huge_pages.empty(buffer.numel(), buffer.dtype, buffer.device, False)
+                output = huge_pages.empty(buffer.numel(), buffer.dtype, buffer.device, reuse=False)
             shapes = [getattr(param, ATTR).shape for param in group]
             pieces = output.split([shape.numel() for shape in shapes])  # one op, not one a part
             parts = [(p, piece.view(s)) for p, s, piece in zip(group, shapes, pieces)]
