@@ -2,15 +2,15 @@
 
 The oracle is ``torch.nn.parallel.DistributedDataParallel`` + ``torch.optim`` on the same ranks,
 the same initial weights and the same per-rank data ([Note: replicated strategies]). Models:
-``tests/zoo.py``'s ``ZooLM`` (a transposed linear and an RMSNorm of its own, rotary
-non-persistent buffers, a raw and a 0-d parameter, BatchNorm running statistics, a module called
-twice, a tied head read by the parent, a dataclass output) and, when ``transformers`` is
-installed, tiny random GPT-2 / Llama / BERT. Every step is two micro-batches, the first under
-``no_sync()``, so gradient accumulation and torch's buffer rule (no broadcast after a ``no_sync``
-forward) are part of every comparison: the loss of every micro-step on every rank, and at the end
-every parameter AND buffer (BatchNorm's running statistics, non-persistent ones too) of every
-rank. One ``run_distributed`` call per world size and model family; the torch run of a setting
-is computed once per worker and shared by the cases that need it.
+``tests/zoo.py``'s ``ZooLM`` (a transposed linear and an RMSNorm of its own, rotary non-persistent
+buffers, a raw and a 0-d parameter, BatchNorm running statistics, a module called twice, a tied
+head read by the parent, a dataclass output), ``RecurrentLM`` (``nn.LSTM``, ``nn.GRU``) and, when
+``transformers`` is installed, tiny random GPT-2 / Llama / BERT. Every step is two micro-batches,
+the first under ``no_sync()``, so gradient accumulation and torch's buffer rule (no broadcast after
+a ``no_sync`` forward) are part of every comparison: the loss of every micro-step on every rank,
+and at the end every parameter AND buffer (BatchNorm's running statistics, non-persistent ones too)
+of every rank. One ``run_distributed`` call per world size and model family; the torch run of a
+setting is computed once per worker and shared by the cases that need it.
 """
 
 import copy
@@ -24,7 +24,7 @@ from torch import nn
 
 from tests.harness import run_distributed
 from tests.parity import LOSS_ATOL, PARAM_ATOL, global_batch, local_slice
-from tests.zoo import VOCAB, ZooLM, zoo_loss
+from tests.zoo import VOCAB, RecurrentLM, ZooLM, zoo_loss
 from tiny_fsdp.core.precision import MixedPrecisionPolicy
 
 # 2 ranks and 3, the odd count (issue #16: "on 2 and 3 ranks"; about 10 s of CI for 2).
@@ -76,9 +76,10 @@ ZOO_CASES = CASES + [
 
 
 def _model(name: str) -> Tuple[Callable[[], nn.Module], Callable[..., torch.Tensor], int]:
-    """(build, loss(model, x, y), vocab) of ``name``: "zoo" or a tests/zoo.py hf_models() key."""
-    if name == "zoo":
-        return ZooLM, lambda model, x, y: zoo_loss(model(x), y), VOCAB
+    """(build, loss(model, x, y), vocab) of ``name``: "zoo", "rnn" or a tests/zoo.py
+    hf_models() key."""
+    if name in ("zoo", "rnn"):
+        return {"zoo": ZooLM, "rnn": RecurrentLM}[name], lambda m, x, y: zoo_loss(m(x), y), VOCAB
     from tests.zoo import hf_models
 
     return hf_models()[name]
@@ -212,6 +213,12 @@ def _parity_worker(rank: int, world_size: int, names: List[str]) -> Dict[str, fl
 def test_zoo_model_trains_as_torch_ddp(world_size: int) -> None:
     """Own layer classes, raw / 0-d parameters, BatchNorm, tied head, dataclass output."""
     run_distributed(_parity_worker, world_size, ["zoo"], timeout=300.0)
+
+
+@pytest.mark.parametrize("world_size", WORLD_SIZES)
+def test_recurrent_model_trains_as_torch_ddp(world_size: int) -> None:
+    """``nn.LSTM`` / ``nn.GRU``, which compute from their own list of parameter references."""
+    run_distributed(_parity_worker, world_size, ["rnn"], timeout=300.0)
 
 
 @pytest.mark.parametrize("world_size", WORLD_SIZES)

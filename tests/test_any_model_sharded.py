@@ -6,9 +6,9 @@ per-rank batches: losses every step, every parameter and buffer at the end. Mode
 called twice, a tied head read by the parent, a dataclass output), a model whose parent reads a
 child's 0-d parameter (and torch's ``nn.MultiheadAttention``, which reads two of its child's
 parameters in one op), a student with a frozen teacher run under no_grad (after every backward
-no unit may stay full), weights computed by ``weight_norm`` / ``parametrizations``, a mixture
-of experts whose ranks run different experts, and tiny GPT-2 / Llama / BERT from
-``transformers`` (if installed).
+no unit may stay full), weights computed by ``weight_norm`` / ``parametrizations``, recurrent
+layers (``nn.LSTM``, ``nn.GRU``), a mixture of experts whose ranks run different experts, and
+tiny GPT-2 / Llama / BERT from ``transformers`` (if installed).
 Cases are combined into few distributed calls to keep CI time small.
 """
 
@@ -24,7 +24,8 @@ from torch import nn
 
 from tests.harness import run_distributed
 from tests.parity import assert_trains_alike, global_batch, local_slice
-from tests.zoo import VOCAB, WIDTH, OwnRMSNorm, PrefixToken, Rotary, TransposedLinear, ZooLM
+from tests.zoo import VOCAB, WIDTH, OwnRMSNorm, PrefixToken, RecurrentLM, Rotary, TransposedLinear
+from tests.zoo import ZooLM
 from tests.zoo import hf_models, zoo_loss
 
 STEPS, SEQ_LEN = 3, 6
@@ -146,6 +147,7 @@ def _models(names: List[str]) -> Dict[str, Tuple[Build, Loss, Callable[[nn.Modul
         "reader": (ReaderLM, _zoo_loss, lambda m: [m.holder]),
         "distill": (DistillLM, _zoo_loss, lambda m: [*m.student, *m.teacher]),
         "parametrized": (ParametrizedLM, _zoo_loss, lambda m: [m.conv, m.mix]),
+        "rnn": (RecurrentLM, _zoo_loss, lambda m: [m.lstm, m.gru]),
     }
     if any(n in ("gpt2", "llama", "bert") for n in names):
         blocks = {
@@ -241,9 +243,9 @@ def _parity_worker(rank: int, world_size: int, names: List[str]) -> List[Tuple[s
 
 @pytest.mark.parametrize("world_size", [2, 3])
 def test_models_as_written_train_like_torch_ddp(world_size):
-    names = ["zoo", "reader", "distill", "parametrized"]
+    names = ["zoo", "reader", "distill", "parametrized", "rnn"]
     results = run_distributed(_parity_worker, world_size, names)
-    assert len(results[0]) == 4 * 3 * 2  # models x strategies x async, checked on every rank
+    assert len(results[0]) == 5 * 3 * 2  # models x strategies x async, checked on every rank
 
 
 @pytest.mark.parametrize("world_size", [2, 3])

@@ -105,6 +105,24 @@ class ZooLM(nn.Module):
         return ZooOutput(logits=logits, hidden=h)
 
 
+class RecurrentLM(nn.Module):
+    """Recurrent layers: a 2-layer ``nn.LSTM`` and a bidirectional ``nn.GRU``, whose kernels take
+    a whole layer's weights at once from the module's list of them (``_flat_weights``), not from
+    attribute reads as other modules do."""
+
+    def __init__(self, vocab: int = VOCAB, d: int = WIDTH) -> None:
+        super().__init__()
+        self.wte = nn.Embedding(vocab, d)
+        self.lstm = nn.LSTM(d, d + 1, num_layers=2, batch_first=True)
+        self.gru = nn.GRU(d + 1, d, batch_first=True, bidirectional=True)
+        self.head = nn.Linear(2 * d, vocab)
+
+    def forward(self, idx: torch.Tensor) -> ZooOutput:
+        h, _ = self.lstm(self.wte(idx))  # (B, T, d + 1)
+        h, _ = self.gru(h)  # (B, T, 2 d)
+        return ZooOutput(logits=self.head(h), hidden=h)
+
+
 def zoo_loss(output: ZooOutput, y: torch.Tensor) -> torch.Tensor:
     logits = output.logits
     return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1))
