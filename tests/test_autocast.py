@@ -19,6 +19,7 @@ from tests.devices import CPU_AND_CUDA
 from tests.harness import run_distributed
 from tests.parity import LOSS_ATOL, PARAM_ATOL, global_batch, local_slice, make_model
 from tiny_fsdp.core.module import CallbackModule, convert_module
+from tiny_fsdp.core.module import base as callback_base
 
 LOW = [torch.bfloat16, torch.float16]
 STRATEGIES = ["ddp", "zero1", "zero2", "zero3", "fsdp"]
@@ -104,6 +105,35 @@ def test_each_wrapper_computes_as_its_torch_layer(name: str, dtype: torch.dtype,
             atol = max(atol, torch.finfo(dtype).eps * want.abs().max().item())
         gap = (got - want).abs().max().item()
         assert gap <= atol, f"{name}: grad of {key} differs by {gap:.2e}"
+
+
+@pytest.mark.parametrize("ask_the_device", [False, True])
+@pytest.mark.parametrize("name", ["linear", "layernorm", "conv1d"])
+def test_a_backward_inside_autocast_after_a_forward_without_computes_as_torch(
+    name: str, ask_the_device: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A forward without autocast whose ``backward()`` runs inside ``torch.autocast`` (a loss
+    region that also covers the backward): the wrapper's gradients equal the torch layer's, bit
+    for bit. Autocast casts the torch layer's backward ops there (a linear's matmuls run in
+    bf16), so the wrapper's backward must not restore its forward's fp32. ``ask_the_device``:
+    the forward records its device's autocast state, as where torch has no query for "autocast
+    on anywhere" or some device has it on."""
+    if ask_the_device:
+        monkeypatch.setattr(callback_base, "_any_autocast", None)
+    ref, make_input = _layers()[name]
+    ours = convert_module(copy.deepcopy(ref))
+    x = make_input().requires_grad_()
+    grad_out = torch.randn_like(ref(x))
+    grads = []
+    for module in (ref, ours):
+        x.grad = None
+        out = module(x)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            out.backward(grad_out)
+        grads.append([x.grad, *(p.grad for p in module.parameters())])
+    for want, got in zip(*grads):
+        assert got.dtype == want.dtype == torch.float32
+        assert torch.equal(got, want)
 
 
 # ------------------------------------------------------------------------- every strategy

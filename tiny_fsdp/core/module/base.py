@@ -28,13 +28,15 @@ strategies only provide the handler (see [Note: param handler]).
 
 [Note: autocast]
 Under ``torch.autocast`` a wrapper computes as the ``torch.nn`` layer does: its forward callback
-calls the same ops, which autocast casts alike. The backward callback runs with the autocast
-state the forward had (what ``torch.amp.custom_bwd`` does for any custom Function), so a matmul
-of a bf16 ``grad_output`` with an fp32 weight computes in bf16 as the forward did, wherever
-``backward()`` is called. A parameter gradient is then cast to the dtype of the full parameter,
+calls the same ops, which autocast casts alike. The backward callback of a forward that ran under
+autocast runs under that autocast (what ``torch.amp.custom_bwd`` does for any custom Function), so
+a matmul of a bf16 ``grad_output`` with an fp32 weight computes in bf16 as the forward did,
+wherever ``backward()`` is called. That of a forward without autocast runs under its caller's
+state, as a torch layer's backward ops do: inside an autocast region (a ``backward()`` called
+there) autocast casts them. A parameter gradient is then cast to the dtype of the full parameter,
 as autograd's cast node does for a plain layer (an input gradient autograd casts itself). An op
-autocast does not list (``aten.convolution_backward``) gets its operands in ``grad_output``'s
-dtype from the layer; a layer saves an input in the dtype its op really computed in.
+autocast does not list (``aten.convolution_backward``) gets its operands in ``grad_output``'s dtype
+from the layer; a layer saves an input in the dtype its op really computed in.
 """
 
 import contextlib
@@ -128,19 +130,27 @@ def _accumulated_this_backward(ctx: Any, needs_grad: Tuple[bool, ...]) -> Tuple[
     backward for inputs only]: the others are neither computed nor reduced)."""
     present = ctx.param_present
     # One (node, input index) per tensor argument of forward; the parameters come last.
-    edges = iter(ctx.next_functions[len(ctx.next_functions) - sum(present) :])
-    return tuple(
-        here and will_run(next(edges)[0]) and needs for needs, here in zip(needs_grad, present)
-    )
+    edges = ctx.next_functions
+    k = len(edges) - sum(present)
+    accumulated = []
+    for needs, here in zip(needs_grad, present):
+        accumulated.append(here and needs and will_run(edges[k][0]))
+        k += here
+    return tuple(accumulated)
 
 
 # (device type, enabled, dtype: None when disabled, a dtype that does not apply then)
 AutocastState = Optional[Tuple[str, bool, Optional[torch.dtype]]]
+_any_autocast = getattr(torch._C, "_is_any_autocast_enabled", None)  # None: ask the device
 
 
 def _autocast_state(args: Sequence[Any]) -> AutocastState:
     """The autocast state for the device of the first tensor in ``args`` ([Note: autocast]);
-    None for a device autocast does not know (``meta``)."""
+    None where autocast is off on every device (the usual case: a MixedPrecisionPolicy casts
+    without it; one query, where the device's state costs a device lookup and two queries on
+    every layer call) or does not know the device (``meta``)."""
+    if _any_autocast is not None and not _any_autocast():
+        return None
     device_type = next((a.device.type for a in args if isinstance(a, torch.Tensor)), "cpu")
     available = _AUTOCAST_AVAILABLE.get(device_type)
     if available is None:
@@ -152,11 +162,12 @@ _AUTOCAST_AVAILABLE: Dict[str, bool] = {}  # device type -> whether autocast kno
 
 
 def _autocast_as_in_forward(state: AutocastState) -> ContextManager:
-    """Autocast as ``state`` says, if the current state differs from it ([Note: autocast])."""
-    if state is None or _autocast_state_of(state[0]) == state:
+    """The forward's autocast, where the forward ran under one the backward's caller is not in;
+    else the caller's state, as for a torch layer's backward ops ([Note: autocast])."""
+    if state is None or not state[1] or _autocast_state_of(state[0]) == state:
         return contextlib.nullcontext()
-    device_type, enabled, dtype = state
-    return torch.autocast(device_type, dtype=dtype, enabled=enabled)
+    device_type, _, dtype = state
+    return torch.autocast(device_type, dtype=dtype)
 
 
 def _autocast_state_of(device_type: str) -> AutocastState:
