@@ -1,5 +1,6 @@
-"""Host work FSDP and ZeRO-3 do not do: per-tensor views in an unshard, a division by one; and
-their unshard buffers, made once, after an unshard that raised.
+"""Host work FSDP and ZeRO-3 do not do: per-tensor views in an unshard, a call per tensor into
+the outside-read watch, a division by one; and their unshard buffers, made once, after an
+unshard that raised.
 
 An unshard's host work does not grow with the number of tensors it gathers ([Note: buffers
 made once], ``core/utils/storage.py``): FSDP's and ZeRO-3's units make their buffers and every
@@ -74,6 +75,46 @@ def test_an_unshard_dispatches_a_few_ops_per_collective_not_per_tensor() -> None
                 # Per group: the copy in, the collective (on gloo a broadcast per rank, each
                 # from a view of the output: [Note: collectives on gloo]) and the copy-out.
                 assert ops <= groups * (4 + 2 * 2), (name, tensors, groups, names)
+
+
+def _watched_calls(rank: int, world_size: int) -> Dict[str, Tuple[int, int, int]]:
+    """Per strategy: (tensors, groups of its units, calls of the watched parameters'
+    ``__torch_function__`` in a later training forward)."""
+    from tiny_fsdp.core.module import outside_reads
+
+    watched = outside_reads._WatchedParam
+    dispatch = watched.__dict__["__torch_function__"].__func__
+    calls = [0]
+
+    def counting(cls: Any, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        calls[0] += 1
+        return dispatch(cls, func, types, args, kwargs)
+
+    seen = {}
+    x, y = global_batch(0, 2 * world_size, 8, 67)
+    x = local_slice(x, rank, world_size)
+    for name, wrapped in _wrapped(world_size).items():
+        wrapped(x)  # the first forward of a training mode is watched another way
+        watched.__torch_function__ = classmethod(counting)
+        try:
+            calls[0] = 0
+            wrapped(x)
+        finally:
+            watched.__torch_function__ = classmethod(dispatch)
+        groups = sum(len(unit.groups) for unit in wrapped.units)
+        seen[name] = (len(list(wrapped.parameters())), groups, calls[0])
+    return seen
+
+
+def test_a_later_forward_watches_outside_reads_without_a_call_per_tensor() -> None:
+    # A later forward makes each local parameter a subclass whose __torch_function__ runs on
+    # every op that takes one ([Note: outside reads]); an unshard reads its tensors' addresses
+    # (to keep its views) and each group's dtype and device (up to 4 calls a group). Each
+    # address read was a call: one per tensor and forward (gpt2_tiny's 28 tensors: FSDP 34
+    # calls, ZeRO-3 46).
+    for per_rank in run_distributed(_watched_calls, 2):
+        for name, (tensors, groups, calls) in per_rank.items():
+            assert tensors >= 28 and calls <= 4 * groups < tensors, (name, tensors, groups, calls)
 
 
 def _divisions(rank: int, world_size: int) -> Dict[str, int]:

@@ -158,7 +158,10 @@ class LocalViews:
 
     def of(self, group: Sequence[torch.Tensor]) -> List[torch.Tensor]:
         """The views of ``group``'s tensors, made again where a tensor's memory moved."""
-        ptrs = [param.data_ptr() for param in group]
+        # A forward's local parameters are a subclass whose __torch_function__ sees each call
+        # ([Note: outside reads]): an address needs none of it.
+        with torch._C.DisableTorchFunctionSubclass():
+            ptrs = [param.data_ptr() for param in group]
         if ptrs != self._ptrs:
             with torch.inference_mode(False):
                 self._views = [p.detach().reshape(-1) if self.flat else p.detach() for p in group]
