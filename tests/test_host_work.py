@@ -91,8 +91,7 @@ def _watched_calls(rank: int, world_size: int) -> Dict[str, Tuple[int, int, int]
         return dispatch(cls, func, types, args, kwargs)
 
     seen = {}
-    x, y = global_batch(0, 2 * world_size, 8, 67)
-    x = local_slice(x, rank, world_size)
+    x = local_slice(global_batch(0, 2 * world_size, 8, 67)[0], rank, world_size)
     for name, wrapped in _wrapped(world_size).items():
         wrapped(x)  # the first forward of a training mode is watched another way
         watched.__torch_function__ = classmethod(counting)

@@ -135,7 +135,7 @@ def _accumulated_this_backward(ctx: Any, needs_grad: Tuple[bool, ...]) -> Tuple[
     accumulated = []
     for needs, here in zip(needs_grad, present):
         accumulated.append(here and needs and will_run(edges[k][0]))
-        k += here
+        k += here  # an absent parameter (None) has no edge
     return tuple(accumulated)
 
 
