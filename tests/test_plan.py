@@ -11,7 +11,8 @@ changes hit them alike. The planner's prediction from that calibration is compar
   + buffers), plus the bytes of the distinct tensors autograd saves in the forward (saved-tensor
   hooks; parameters excluded), plus the strategy's transient buffers at their peak as its own
   meters report them (FSDP ``memory_stats()``: gathered units and reductions in flight; ZeRO-3
-  ``fetch_stats`` and ``reduce_stats``; ZeRO-2 ``staging_stats``: its staging buffers); the
+  ``fetch_stats`` and ``reduce_stats``; ZeRO-2 ``staging_stats``: its staging buffers; ZeRO-1
+  ``receive_stats``: the buffers its reductions receive into on 2 gloo ranks); the
   largest rank. Within 10 %.
   The reduction meters count a reduced gradient until the end of backward even when it becomes
   ``.grad`` ([Note: asynchronous reduction]), which the ledger counts too; the planner predicts
@@ -82,6 +83,8 @@ def _transient_bytes(name, model) -> int:
         return model.fetch_stats.peak_bytes + model.reduce_stats.peak_bytes
     if name == "zero2":
         return model.staging_stats.peak_bytes
+    if name == "zero1":
+        return model.receive_stats.peak_bytes
     return 0
 
 
@@ -121,6 +124,8 @@ def _measure(rank, world):
             meters = (model.fetch_stats, model.reduce_stats)
         if name == "zero2":
             meters = (model.staging_stats,)
+        if name == "zero1":
+            meters = (model.receive_stats,)
         for meter in meters:  # peaks of the counted step
             meter.peak_bytes = meter.live_bytes
         params = {p.untyped_storage().data_ptr() for p in model.parameters()}
@@ -219,8 +224,9 @@ def test_planner_predicts_peak_memory_per_rank_within_10_percent():
 def test_planner_predicts_the_bytes_and_calls_of_every_collective_exactly():
     """Per strategy and kind, the payload one rank's collectives carry in a step and their
     number, on gloo
-    (ZeRO-1/2 all-reduce and broadcast there, [Note: ZeRO collectives on gloo]) and on NCCL
-    (the formula without a run: reduce-scatter and all-gather of the same buckets)."""
+    (ZeRO-1/2 broadcast there, and all-reduce beyond 2 ranks, [Note: ZeRO collectives on
+    gloo]) and on NCCL (the formula without a run: reduce-scatter and all-gather of the same
+    buckets)."""
     costs = gpt2_costs(CONFIG, "test model")
     gloo = dataclasses.replace(load_calibration("a100_sxm"), backend="gloo")
     for world in (1, 2, 3, 4):

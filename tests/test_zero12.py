@@ -365,17 +365,18 @@ def _check_bytes(
             slack += 4 * len(list(model.parameters()))
         assert abs(held[kind] - formula) <= slack, f"{what}: {kind} {held[kind]} vs {formula}"
     # The padded gradient buffer is reduced once and the parameter buffer gathered once, by
-    # reduce-scatter / all-gather, or on gloo all-reduce / broadcasts ([Note: ZeRO collectives
-    # on gloo]); besides, one int32 flag per parameter is all-reduced (who had a gradient,
-    # [Note: ZeRO gradient stores]); nothing else is sent.
+    # reduce-scatter / all-gather; on gloo by broadcasts, and all-reduce but on 2 ranks
+    # ([Note: ZeRO collectives on gloo]); besides, one int32 flag per parameter is all-reduced
+    # (who had a gradient, [Note: ZeRO gradient stores]); nothing else is sent.
     flat_bytes = model.layout.numel * dtype.itemsize
     flag_bytes = FLAG_DTYPE.itemsize * len(model.params)
-    if dist.get_backend() == "gloo":
+    gloo = dist.get_backend() == "gloo"
+    if gloo and world_size != 2:
         expected_payload = {"all_reduce": flat_bytes + flag_bytes, "broadcast": flat_bytes}
     else:
         expected_payload = {
             "reduce_scatter": flat_bytes,
-            "all_gather": flat_bytes,
+            "broadcast" if gloo else "all_gather": flat_bytes,
             "all_reduce": flag_bytes,
         }
     assert dict(LEDGER.payload_bytes) == expected_payload, what
@@ -642,6 +643,36 @@ def test_a_bucket_of_one_unpadded_parameter_stages_in_its_gradient() -> None:
     assert store.stats.live_bytes == (6 + 4) * 4  # [a, b]: 3 elements padded to 4
     store.reset()
     assert store.stats.live_bytes == 0 and store.stats.peak_bytes == (6 + 4) * 4
+
+
+def _receive_buffers_worker(rank: int, world_size: int) -> None:
+    model, optimizer = build(
+        "zero1", make_model(0), OPTIMIZERS["sgd"], bucket_cap_mb=TINY_BUCKET_MB
+    )
+    chunks = [b.numel // world_size * 4 for b in model.layout.buckets]  # fp32; launch order
+    assert len(chunks) >= 10
+    for step in range(2):
+        x, y = (local_slice(t, rank, world_size) for t in _xy(step, 2 * world_size))
+        lm_loss(model(x), y).backward()
+        stats = model.receive_stats
+        assert stats.live_bytes == 0 and model.transient_bytes() == {"receive": 0}
+        if world_size == 2:
+            two_in_a_row = max(a + b for a, b in zip(chunks, chunks[1:]))
+            assert max(chunks) <= stats.peak_bytes <= two_in_a_row, (stats.peak_bytes, chunks)
+        else:  # an all-reduce in place: nothing received apart
+            assert stats.peak_bytes == 0
+        optimizer.step()
+        optimizer.zero_grad()
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_zero1_receive_buffers_stay_within_two_chunks(world_size: int) -> None:
+    """ZeRO-1 reduces each bucket into its own chunk of the full gradient buffer. On 2 gloo
+    ranks that reduce-scatter is a send and a receive ([Note: ZeRO collectives on gloo]), and
+    the other rank's part arrives in a buffer of the chunk's size: ``receive_stats`` counts
+    those buffers, and one reduction in flight keeps them to the chunks of two consecutive
+    buckets, never the whole gradient's half. On 3 ranks gloo all-reduces in place."""
+    run_distributed(_receive_buffers_worker, world_size)
 
 
 def _check_branchy(ours: nn.Module, reference: nn.Module, initial: nn.Module, case: str) -> None:

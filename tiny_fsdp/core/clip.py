@@ -17,16 +17,18 @@ powers; the maximum for ``inf``), and every held gradient is scaled in place by
 all-reduces), as with FSDP2. ``clip_grad_value_`` likewise clamps the held gradients
 (element by element: no communication; under ZeRO-2 torch's found none and raised). The two
 halves of ``clip_grad_norm_`` that torch also offers (torchtitan's way) are replaced alike:
-``get_total_norm(grads)`` takes gradient tensors, so it recognises the ``.grad`` shards of FSDP
-/ ZeRO-3 parameters among them (looked up in the live wrappers) and combines their norm over
-the group; ``clip_grads_with_norm_(params, max_norm, total)`` scales what this rank holds.
+``get_total_norm(grads)`` takes gradient tensors, so it recognises among them the ``.grad``
+shards of FSDP / ZeRO-3 parameters and the ``.grad`` of ZeRO-1 parameters, whose average after a
+synchronised backward is only in this rank's owned chunks (looked up in the live wrappers), and
+combines the norm of what each rank holds of them over the group; ``clip_grads_with_norm_(params,
+max_norm, total)`` scales what this rank holds.
 (ZeRO-2 keeps no ``.grad``, so a norm of ``p.grad`` tensors finds none there: clip with
 ``clip_grad_norm_``.) A script that imported torch's functions by name before importing
 tiny_fsdp keeps torch's: the functions are also ``tiny_fsdp.core``'s.
 """
 
 import math
-from typing import Any, Dict, Iterable, List, NamedTuple, Optional, Union
+from typing import Any, Dict, Iterable, List, NamedTuple, Optional, Set, Tuple, Union
 
 import torch
 import torch.distributed as dist
@@ -80,17 +82,16 @@ def get_total_norm(
     foreach: Optional[bool] = None,
 ) -> torch.Tensor:
     """``torch.nn.utils.get_total_norm`` over ranks: gradients (``p.grad``) of FSDP / ZeRO-3
-    parameters are this rank's shards, so their norm is combined over the shard group, as
-    ``clip_grad_norm_`` does; any other tensor counts as every rank's own. Every rank calls
-    it when any tensor is such a shard (as with FSDP2's DTensor norm)."""
+    parameters are this rank's shards, and ZeRO-1's hold the average in this rank's owned
+    chunks only (after a synchronised backward), so their norm is that of what each rank
+    holds, combined over the group, as ``clip_grad_norm_`` does; any other tensor counts as
+    every rank's own. Every rank calls it when any tensor is such a gradient (as with FSDP2's
+    DTensor norm)."""
     tensors = [tensors] if isinstance(tensors, torch.Tensor) else list(tensors)
-    shards = _shard_groups(tensors)
-    if not shards:
+    covered, sharded = _sharded_held(tensors)
+    if not sharded:
         return _TORCH_TOTAL_NORM(tensors, norm_type, error_if_nonfinite, foreach)
-    held = [HeldGrads([t for t in tensors if id(t) not in shards], sharded=False)]
-    for group in {id(g): g for g in shards.values()}.values():
-        mine = [t for t in tensors if id(t) in shards and shards[id(t)] is group]
-        held.append(HeldGrads(mine, sharded=True, group=group))
+    held = [HeldGrads([t for t in tensors if id(t) not in covered], sharded=False), *sharded]
     return _total_norm(held, norm_type, error_if_nonfinite, tensors[0].device)
 
 
@@ -159,18 +160,23 @@ def _scale(held: List[HeldGrads], max_norm: float, total: torch.Tensor) -> None:
             grad.detach().mul_(coef.to(grad.device))
 
 
-def _shard_groups(tensors: List[torch.Tensor]) -> Dict[int, Any]:
-    """id of each tensor that is the gradient shard of an FSDP / ZeRO-3 parameter -> its group."""
+def _sharded_held(tensors: List[torch.Tensor]) -> Tuple[Set[int], List[HeldGrads]]:
+    """The ids of the tensors among ``tensors`` that are the ``.grad`` of parameters whose
+    gradient the ranks hold in parts (FSDP / ZeRO-3 shards, ZeRO-1's owned chunks), and what
+    this rank holds of those gradients, per wrapper."""
     wanted = {id(t) for t in tensors}
-    found: Dict[int, Any] = {}
+    covered: Set[int] = set()
+    held: List[HeldGrads] = []
     for wrapper in live_wrappers():
-        if not wrapper.gathers_full_tensors:  # DDP, ZeRO-1/2: .grad is the whole average
+        params = [p for p in wrapper.parameters() if p.grad is not None and id(p.grad) in wanted]
+        if not params:
             continue
-        held = wrapper.held_grads(list(wrapper.parameters()))
-        for grad in held.grads:
-            if id(grad) in wanted:
-                found[id(grad)] = held.group
-    return found
+        ids = [id(p.grad) for p in params]  # before held_grads, which may adopt a new .grad
+        part = wrapper.held_grads(params)
+        if part.sharded:  # else every rank holds the whole of each (DDP): counted as given
+            covered.update(ids)
+            held.append(part)
+    return covered, held
 
 
 @torch.no_grad()

@@ -352,6 +352,20 @@ def reduces_into_output(tensor: torch.Tensor, group: Optional[dist.ProcessGroup]
     return gloo_collectives.is_gloo(group) and gloo_collectives.pairs(tensor, group)
 
 
+def reduce_scatter_receive_bytes(
+    output: torch.Tensor, input: torch.Tensor, group: Optional[dist.ProcessGroup] = None
+) -> int:
+    """Bytes of the buffer a SUM ``reduce_scatter`` of ``input`` into ``output`` allocates until
+    it completes: ``output``'s on 2 CPU ranks on gloo when ``output`` is this rank's chunk of
+    ``input`` (the other rank's chunk is received apart, [Note: collectives on gloo]); else 0
+    (a receive straight into ``output``, or the backend's own buffers)."""
+    if not (gloo_collectives.is_gloo(group) and gloo_collectives.pairs(input, group)):
+        return 0
+    chunk = input.numel() // 2
+    own = input.view(2, chunk)[dist.get_rank(group)]
+    return output.numel() * output.element_size() if own.data_ptr() == output.data_ptr() else 0
+
+
 def all_gather_object(obj: object, group: Optional[dist.ProcessGroup] = None) -> List[object]:
     """Every rank's ``obj`` in rank order (metadata only; not counted in the ledger)."""
     out: List[object] = [None] * dist.get_world_size(group)

@@ -14,16 +14,19 @@ and 14-16 ms for one send and its receive). So on a gloo group ``comm.all_gather
 - all-gather of ``input`` (k,) into ``output`` (N * k,): copy ``input`` into chunk ``rank`` of
   ``output`` (no copy when ``input`` is that chunk: an in-place all-gather, as FSDP's units
   issue it), then broadcast chunk r from rank r, for every r, all issued asynchronously;
-- reduce-scatter of ``input`` (2 * k,) into ``output`` (k,) on 2 ranks, a SUM into a tensor of
-  its own (FSDP's unit reductions): send the other rank its chunk and receive its chunk
-  ``rank`` straight into ``output``, both issued asynchronously; once both are done, add this
-  rank's chunk: c_0 + c_1 (floating-point addition commutes: the same bits on either rank), no
-  buffer besides. Gloo says a send or receive is done only once it is waited for, so such a
-  reduce-scatter counts as in flight until then ([Note: asynchronous reduction] retires it when
-  its in-flight limit or the end of the backward waits for it);
+- reduce-scatter (a SUM) of ``input`` (2 * k,) into ``output`` (k,) on 2 ranks: send the other
+  rank its chunk and receive its chunk ``rank`` straight into ``output`` when ``output`` is a
+  tensor of its own (FSDP's unit reductions, ZeRO-2's buckets), both issued asynchronously;
+  once both are done, add this rank's chunk: c_0 + c_1 (floating-point addition commutes: the
+  same bits on either rank), no buffer besides. In place (``output`` is chunk ``rank`` of
+  ``input``: ZeRO-1's buckets) the other rank's chunk is received into a buffer of its own, of
+  ``output``'s size (``comm.reduce_scatter_receive_bytes``; ZeRO-1's store counts it), and added
+  into ``output``: the same bits. Gloo says a send or receive is done only once it is waited
+  for, so such a reduce-scatter counts as in flight until then ([Note: asynchronous reduction]
+  retires it when its in-flight limit or the end of the backward waits for it);
 - any other reduce-scatter (N > 2 ranks, where receiving N - 1 chunks at once would need N - 2
   more buffers and training steps measured no faster on the development machine's 4 ranks;
-  ``output`` being chunk ``rank`` of ``input``; another ``op``): reduce chunk r of ``input`` to
+  another ``op``): reduce chunk r of ``input`` to
   rank r, for every r, all issued asynchronously; once they are done, copy chunk ``rank`` into
   ``output`` (no copy when ``output`` is that chunk). ``input`` is scratch afterwards (a reduce
   may leave partial sums in a chunk it does not deliver to this rank);
@@ -185,14 +188,14 @@ def reduce_scatter(
     async_op: bool,
 ) -> Optional[GlooWorks]:
     """``output`` (k,) <- chunk ``rank`` of the reduction of every rank's ``input`` (N * k,):
-    on 2 ranks a SUM into another tensor by a send and a receive, else by N reduces (CUDA: one
-    all-reduce); ``input`` is scratch afterwards."""
+    on 2 ranks a SUM by a send and a receive, else by N reduces (CUDA: one all-reduce);
+    ``input`` is scratch afterwards."""
     n, rank, k = dist.get_world_size(group), dist.get_rank(group), output.numel()
     chunks = input.view(n, k)
     own = chunks[rank]
     in_place = own.data_ptr() == output.data_ptr()
     apart = output.untyped_storage().data_ptr() != input.untyped_storage().data_ptr()
-    if apart and op == dist.ReduceOp.SUM and pairs(input, group):
+    if (apart or in_place) and op == dist.ReduceOp.SUM and pairs(input, group):
         return _finish(_sum_scatter_pair(output, chunks, group), async_op)
     if input.device.type == "cuda":  # gloo has no CUDA reduce
         works = [dist.all_reduce(input, op=op, group=group, async_op=True)]
@@ -209,14 +212,22 @@ def _sum_scatter_pair(
     output: torch.Tensor, chunks: torch.Tensor, group: Optional[dist.ProcessGroup]
 ) -> GlooWorks:
     """Two ranks: the other rank's chunk of ``chunks`` (2, k) sent to it, its chunk ``rank``
-    received into ``output``, then this rank's added ([Note: collectives on gloo])."""
+    received into ``output``, then this rank's added; ``output`` being this rank's chunk, the
+    other's is received into a buffer of its own and added to it ([Note: collectives on
+    gloo])."""
     rank = dist.get_rank(group)
     peer = _global(group, 1 - rank)
+    own = chunks[rank]
+    if own.data_ptr() == output.data_ptr():
+        into = huge_pages.empty(output.shape, output.dtype, output.device)
+        finish = functools.partial(output.add_, into)
+    else:
+        into, finish = output, functools.partial(output.add_, own)
     works = [
-        dist.irecv(output, src=peer, group=group, tag=P2P_TAG),
+        dist.irecv(into, src=peer, group=group, tag=P2P_TAG),
         dist.isend(chunks[1 - rank], dst=peer, group=group, tag=P2P_TAG),
     ]
-    return GlooWorks(works, functools.partial(output.add_, chunks[rank]), _timeout(group))
+    return GlooWorks(works, finish, _timeout(group))
 
 
 def _sum_to_pair(

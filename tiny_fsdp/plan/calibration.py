@@ -4,8 +4,9 @@
 A calibration is a JSON file; every number carries its ``source`` (a measurement on this machine,
 a datasheet, a paper). Fields:
 
-- ``backend``: ``"nccl"`` or ``"gloo"``: ZeRO-1/2 on gloo replace their reduce-scatter by an
-  all-reduce and their all-gather by one broadcast per rank ([Note: ZeRO collectives on gloo]).
+- ``backend``: ``"nccl"`` or ``"gloo"``: ZeRO-1/2 on gloo replace their all-gather by one
+  broadcast per rank and, on more than 2 ranks, their reduce-scatter by an all-reduce ([Note:
+  ZeRO collectives on gloo]).
 - ``compute.flops_per_s``: the matrix-product rate of one rank *while every rank computes* (on a
   shared CPU that is the honest rate), at ``compute.shape`` = ``(rows, in, out)``: ``--calibrate``
   takes the shape of the model it is given (``ModelCosts.calibration_shape``), because the rates

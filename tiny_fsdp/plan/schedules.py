@@ -7,11 +7,13 @@ One rank's step, with the defaults of ``DDP``, ``Zero1/2``, ``Zero3`` and ``FSDP
 - DDP: gradients in 25 MiB buckets in reverse parameter order (plus one flag element per
   parameter); a full bucket's all-reduce is issued during backward and runs while earlier layers
   compute; the optimizer waits for all of them.
-- ZeRO-1 / ZeRO-2: the same buckets (padded to ``N``), each reduce-scattered (gloo: all-reduced);
-  ZeRO-2 keeps one reduction in flight, so a second full bucket waits for the first; the optimizer
-  updates ``1 / N`` of the parameters, then each bucket is all-gathered (gloo: ``N`` broadcasts).
-  ZeRO-2's staging buffers (the bucket being reduced and the one filling; a bucket of one
-  unpadded tensor stages in its gradient) are transient memory.
+- ZeRO-1 / ZeRO-2: the same buckets (padded to ``N``), each reduce-scattered (gloo on more than
+  2 ranks: all-reduced); ZeRO-2 keeps one reduction in flight, so a second full bucket waits for
+  the first, and so does ZeRO-1 on 2 gloo ranks, whose reductions in place receive into a
+  buffer of a chunk each; the optimizer updates ``1 / N`` of the parameters, then each bucket
+  is all-gathered (gloo: ``N`` broadcasts). ZeRO-2's staging buffers (the bucket being reduced
+  and the one filling; a bucket of one unpadded tensor stages in its gradient) and ZeRO-1's
+  receive buffers (two consecutive buckets' chunks) are transient memory.
 - ZeRO-3 and FSDP (``unit="auto"``: the blocks, and a root unit with the other layers): the
   root unit is unsharded at the start and kept until the end of backward (full through the
   forward, and the first unit of the backward); each block is unsharded before its forward
@@ -203,7 +205,10 @@ def _bucketed(s: StepSetup, zero_stage: int) -> StepPlan:
         buckets = [_ceil_to(sum(s.costs.tensors[t] for t in m), n) for m in members]
     for t in fwd:
         tl.add("compute", t)
-    kind = "all_reduce" if zero_stage == 0 or gloo else "reduce_scatter"
+    pairs = gloo and n == 2  # a reduce-scatter is a send and a receive there
+    kind = "reduce_scatter" if zero_stage and (pairs or not gloo) else "all_reduce"
+    # ZeRO-2 frees a staging buffer, ZeRO-1 on pairs a receive buffer, per finished reduction
+    one_in_flight = zero_stage == 2 or (zero_stage == 1 and pairs)
     remaining = [set(m) for m in members]
     launched: List[int] = []
     layers = s.costs.layers
@@ -216,7 +221,7 @@ def _bucketed(s: StepSetup, zero_stage: int) -> StepPlan:
         for rest in remaining:
             rest -= done
         while len(launched) < len(buckets) and not remaining[len(launched)]:
-            if zero_stage == 2 and launched:
+            if one_in_flight and launched:
                 tl.wait([launched[-1]])  # one reduction in flight: the next launch waits
             seconds = comms.seconds(kind, buckets[len(launched)] * s.param_bytes, n)
             launched.append(tl.add("comm", seconds, label=f"reduce bucket {len(launched)}"))
@@ -245,6 +250,10 @@ def _bucketed(s: StepSetup, zero_stage: int) -> StepPlan:
         # of one unpadded tensor, which stages in its own gradient
         staged = [b for m, b in zip(members, buckets) if s.costs.tensors[m[0]] != b]
         transient = sum(sorted(staged)[-2:]) * s.param_bytes
+    if zero_stage == 1 and pairs:  # a chunk received apart for the launched reduction and the
+        # one before it, which is finished right after the launch
+        pairs_of_chunks = [a + b for a, b in zip(buckets, buckets[1:])] or buckets
+        transient = max(pairs_of_chunks) // n * s.param_bytes
     return _planned(tl, comms, transient)
 
 

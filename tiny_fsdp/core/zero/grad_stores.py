@@ -9,7 +9,10 @@ flat layout ([Note: ZeRO flat layout]) and differ only in the store they plug in
   micro-steps accumulate in place. A synchronised hook leaves ``grad / N`` in the view; bucket b's
   reduction then leaves the average in this rank's chunk of b. Only the owned chunks are
   meaningful afterwards: ``param.grad`` is not guaranteed to be the average. Without asynchronous
-  communication every bucket is reduced at the end of backward.
+  communication every bucket is reduced at the end of backward. Where a reduction in place
+  receives the other rank's part into a buffer of its own (2 CPU ranks, [Note: ZeRO collectives
+  on gloo]), ``stats`` counts those buffers and ``max_in_flight`` = 1 bounds them: at most two
+  chunks, the reduction just launched and the one before it.
 - ``StagedGradShard`` (ZeRO-2) keeps only a gradient shard (a ``ShardBuffer``: its chunk of every
   bucket, ``shard_numel`` elements in all). A synchronised hook copies ``param.grad / N`` into
   its bucket's staging buffer and sets ``param.grad = None``; a complete bucket is reduced at
@@ -285,6 +288,27 @@ class FullGradBuffer(ZeroGradStore):
     def __init__(self, *args: Any) -> None:  # ZeroGradStore's arguments
         super().__init__(*args)
         self.buffer = FlatBuffer(self.layout, self.dtypes, self.device)
+        self.stats = ReduceStats()  # receive buffers of reductions in flight: live, peak
+        self._receiving: Dict[int, int] = {}  # bucket -> bytes its reduction receives apart
+        receives = bool(self.layout.buckets) and (
+            comm.reduce_scatter_receive_bytes(self._out(0), self._source(0)) > 0
+        )
+        self.max_in_flight = 1 if receives else None
+
+    def launch(self, bucket: int, async_op: bool) -> None:
+        nbytes = comm.reduce_scatter_receive_bytes(self._out(bucket), self._source(bucket))
+        super().launch(bucket, async_op)
+        self._receiving[bucket] = nbytes
+        self.stats.track(nbytes)
+
+    def finish(self, bucket: int) -> None:
+        super().finish(bucket)
+        self.stats.track(-self._receiving.pop(bucket))
+
+    def reset(self) -> None:
+        super().reset()
+        self.stats.track(-sum(self._receiving.values()))
+        self._receiving = {}
 
     def keep_local(self, index: int, param: nn.Parameter) -> None:
         self._into_view(index, param, divide=False)

@@ -329,6 +329,19 @@ class Zero1(ZeroWrapper):
 
     grad_store = FullGradBuffer
 
+    @property
+    def receive_stats(self) -> ReduceStats:
+        """Bytes of the buffers this rank's reductions in flight receive into, live and peak
+        (2 CPU ranks on gloo; none elsewhere: [Note: ZeRO gradient stores])."""
+        store = self._grads
+        assert isinstance(store, FullGradBuffer)
+        return store.stats
+
+    def transient_bytes(self) -> Dict[str, int]:
+        """Bytes of receive buffers alive now (read at every compute boundary of a traced step,
+        ``tiny_fsdp/trace``)."""
+        return {"receive": self.receive_stats.live_bytes}
+
 
 class Zero2(ZeroWrapper):
     """ZeRO-2: replicated parameters; gradients and optimizer state / master are sharded."""
