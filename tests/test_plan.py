@@ -174,9 +174,11 @@ def _calibrate_and_time(rank, world, config, batch, seq):
 
 def memory_rows(world_sizes=(1, 2, 3, 4)):
     """``[(world, strategy, predicted peak bytes, measured peak bytes)]``; the prediction does
-    not depend on the calibration's rates, so a preset serves."""
+    not depend on the calibration's rates, so a preset serves, with the backend the ranks use
+    (ZeRO-1 receives into buffers of its own on 2 gloo ranks)."""
     rows = []
-    costs, calibration = gpt2_costs(CONFIG, "test model"), load_calibration("a100_sxm")
+    costs = gpt2_costs(CONFIG, "test model")
+    calibration = dataclasses.replace(load_calibration("a100_sxm"), backend="gloo")
     for world in world_sizes:
         results = _measured(world)
         predicted = plan(costs, calibration, world, BATCH, SEQ)
@@ -219,6 +221,11 @@ def test_planner_predicts_peak_memory_per_rank_within_10_percent():
     print("\n" + format_rows(rows, "MiB"))
     misses = [r for r in rows if abs(r[2] / r[3] - 1) > MEMORY_TOLERANCE]
     assert not misses, "out of tolerance:\n" + format_rows(rows, "MiB")
+    # DDP's and ZeRO-1/2's meters count what the planner counts (ZeRO-2's staging, ZeRO-1's
+    # receive buffers on 2 ranks): their predictions are exact to a few hundred bytes (284-460
+    # measured), where one bucket's chunk would be hundreds of KiB.
+    loose = [r for r in rows if r[1] in ("ddp", "zero1", "zero2") and abs(r[2] - r[3]) > 1024]
+    assert not loose, "not exact:\n" + format_rows(loose, "MiB")
 
 
 def test_planner_predicts_the_bytes_and_calls_of_every_collective_exactly():
