@@ -1,14 +1,15 @@
 """Specification of the reduce-scatter and the reduce on gloo ([Note: collectives on gloo]).
 
-On a gloo group, ``comm.reduce_scatter`` (SUM) of 2 ranks into a tensor of its own is one send
-and one receive. Every rank must get, bit for bit, c_0 + c_1 of the two ranks' chunk ``rank``
-(in place too, where the reduces run), in fp32 and bf16, with several reduce-scatters in flight
-at once (they pair up in issue order) and when two threads wait for one (a traced step's waiter
-thread and the caller): a gloo send or receive waited for twice would wait for a message that
-never comes. On 3 ranks (reduces) the same sum up to the rounding of another order of its
-additions. A rank that fails while the others wait in one makes them raise at the collective
-timeout: ``tests/test_failure.py`` (FSDP on 2 ranks, failing in backward with reductions in
-flight).
+On a gloo group, ``comm.reduce_scatter`` (SUM) of 2 ranks is one send and one receive (in place,
+into this rank's chunk of the input, the receive goes to a buffer of the chunk's size, which
+``comm.reduce_scatter_receive_bytes`` reports). Every rank must get, bit for bit, c_0 + c_1 of
+the two ranks' chunk ``rank`` (in place too), in fp32 and bf16, with several reduce-scatters in
+flight at once (they pair up in issue order) and when two threads wait for one (a traced
+step's waiter thread and the caller): a gloo send or receive waited for twice would wait for a
+message that never comes. On 3 ranks (reduces) the same sum up to the rounding of another order
+of its additions. A rank that fails while the others wait in one makes them raise at the
+collective timeout: ``tests/test_failure.py`` (FSDP on 2 ranks, failing in backward with
+reductions in flight).
 
 ``comm.reduce`` (SUM) on 2 ranks is one send and one receive: the destination must get, bit for
 bit, a_0 + a_1 in the ``output`` it names or in place, to either rank, with reduces and
@@ -55,6 +56,10 @@ def _reduce_scatters_in_flight(rank: int, world_size: int) -> None:
                 x.view(world_size, CHUNK)[rank] if in_place else torch.empty(CHUNK, dtype=dtype)
                 for x in inputs
             ]
+            receives = in_place and world_size == 2
+            for o, x in zip(outputs, inputs):
+                nbytes = comm.reduce_scatter_receive_bytes(o, x)
+                assert nbytes == (CHUNK * o.element_size() if receives else 0), (in_place, nbytes)
             works = [comm.reduce_scatter(o, x, async_op=True) for o, x in zip(outputs, inputs)]
             for work in reversed(works):  # waited for in any order: they travel in issue order
                 work.wait()

@@ -359,11 +359,9 @@ def reduce_scatter_receive_bytes(
     it completes: ``output``'s on 2 CPU ranks on gloo when ``output`` is this rank's chunk of
     ``input`` (the other rank's chunk is received apart, [Note: collectives on gloo]); else 0
     (a receive straight into ``output``, or the backend's own buffers)."""
-    if not (gloo_collectives.is_gloo(group) and gloo_collectives.pairs(input, group)):
+    if not gloo_collectives.receives_apart(output, input, group):
         return 0
-    chunk = input.numel() // 2
-    own = input.view(2, chunk)[dist.get_rank(group)]
-    return output.numel() * output.element_size() if own.data_ptr() == output.data_ptr() else 0
+    return output.numel() * output.element_size()
 
 
 def all_gather_object(obj: object, group: Optional[dist.ProcessGroup] = None) -> List[object]:

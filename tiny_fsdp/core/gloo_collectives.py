@@ -196,7 +196,7 @@ def reduce_scatter(
     in_place = own.data_ptr() == output.data_ptr()
     apart = output.untyped_storage().data_ptr() != input.untyped_storage().data_ptr()
     if (apart or in_place) and op == dist.ReduceOp.SUM and pairs(input, group):
-        return _finish(_sum_scatter_pair(output, chunks, group), async_op)
+        return _finish(_sum_scatter_pair(output, chunks, group, in_place), async_op)
     if input.device.type == "cuda":  # gloo has no CUDA reduce
         works = [dist.all_reduce(input, op=op, group=group, async_op=True)]
     else:
@@ -208,17 +208,32 @@ def reduce_scatter(
     return _finish(GlooWorks(works, copy), async_op)
 
 
+def receives_apart(
+    output: torch.Tensor, input: torch.Tensor, group: Optional[dist.ProcessGroup]
+) -> bool:
+    """Whether a SUM ``reduce_scatter`` of ``input`` into ``output`` receives the other rank's
+    chunk into a buffer of its own, of ``output``'s size: in place (``output`` is this rank's
+    chunk of ``input``) on 2 CPU ranks ([Note: collectives on gloo])."""
+    if not (is_gloo(group) and pairs(input, group)):
+        return False
+    own = input.view(2, output.numel())[dist.get_rank(group)]
+    return own.data_ptr() == output.data_ptr()
+
+
 def _sum_scatter_pair(
-    output: torch.Tensor, chunks: torch.Tensor, group: Optional[dist.ProcessGroup]
+    output: torch.Tensor,
+    chunks: torch.Tensor,
+    group: Optional[dist.ProcessGroup],
+    in_place: bool,
 ) -> GlooWorks:
     """Two ranks: the other rank's chunk of ``chunks`` (2, k) sent to it, its chunk ``rank``
-    received into ``output``, then this rank's added; ``output`` being this rank's chunk, the
-    other's is received into a buffer of its own and added to it ([Note: collectives on
-    gloo])."""
+    received into ``output``, then this rank's added; ``in_place`` (``output`` is this rank's
+    chunk), the other's is received into a buffer of its own and added to it ([Note:
+    collectives on gloo])."""
     rank = dist.get_rank(group)
     peer = _global(group, 1 - rank)
     own = chunks[rank]
-    if own.data_ptr() == output.data_ptr():
+    if in_place:
         into = huge_pages.empty(output.shape, output.dtype, output.device)
         finish = functools.partial(output.add_, into)
     else:
