@@ -32,10 +32,7 @@ parts live in ``example/bench/``.
   that: each rank trains the plain model on its own batch with our optimizer and no collective,
   under the same load, so every other strategy of its phase gets its ratio to it (what its
   communication costs). Its losses are the ranks' own, not the global batch's: not compared.
-  On the 2-core development machine (gpt2_mini, batch 4 x 256, 2 ranks, the README's command
-  with ``no_comm`` added to ``--strategies``) no_comm took 0.98 x our DDP's step time; per
-  no_comm step: DDP 1.02, ZeRO-1 1.05, ZeRO-2 1.04, ZeRO-3 1.10, FSDP 1.12, torch DDP 1.07,
-  ZeroRedundancyOptimizer 1.13, FSDP2 1.21 (one run).
+  The README's Benchmark section gives one run's ratios on the 2-core development machine.
 - A round gives every strategy of the phase its turn: ``settle`` untimed steps (default 1), then
   one step, timed from round ``warmup`` on (round 0 is each strategy's first step, taken when it
   is built, which creates its optimizer state). So a timed step follows a step of the same
