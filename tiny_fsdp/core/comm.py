@@ -359,9 +359,11 @@ def reduce_scatter_receive_bytes(
     it completes: ``output``'s on 2 CPU ranks on gloo when ``output`` is this rank's chunk of
     ``input`` (the other rank's chunk is received apart, [Note: collectives on gloo]); else 0
     (a receive straight into ``output``, or the backend's own buffers)."""
-    if not gloo_collectives.receives_apart(output, input, group):
+    if not reduces_into_output(input, group):  # the 2-rank pair: received into ``output``...
         return 0
-    return output.numel() * output.element_size()
+    own = input.view(2, output.numel())[dist.get_rank(group)]
+    in_place = own.data_ptr() == output.data_ptr()  # ...unless it is this rank's chunk
+    return output.numel() * output.element_size() if in_place else 0
 
 
 def all_gather_object(obj: object, group: Optional[dist.ProcessGroup] = None) -> List[object]:

@@ -208,18 +208,6 @@ def reduce_scatter(
     return _finish(GlooWorks(works, copy), async_op)
 
 
-def receives_apart(
-    output: torch.Tensor, input: torch.Tensor, group: Optional[dist.ProcessGroup]
-) -> bool:
-    """Whether a SUM ``reduce_scatter`` of ``input`` into ``output`` receives the other rank's
-    chunk into a buffer of its own, of ``output``'s size: in place (``output`` is this rank's
-    chunk of ``input``) on 2 CPU ranks ([Note: collectives on gloo])."""
-    if not (is_gloo(group) and pairs(input, group)):
-        return False
-    own = input.view(2, output.numel())[dist.get_rank(group)]
-    return own.data_ptr() == output.data_ptr()
-
-
 def _sum_scatter_pair(
     output: torch.Tensor,
     chunks: torch.Tensor,
