@@ -1,6 +1,6 @@
 """Host work FSDP and ZeRO-3 do not do: per-tensor views in an unshard, a call per tensor into
-the outside-read watch, a division by one; and their unshard buffers, made once, after an
-unshard that raised.
+the outside-read watch, a division by one (nor does DDP); and their unshard buffers, made once,
+after an unshard that raised.
 
 An unshard's host work does not grow with the number of tensors it gathers ([Note: buffers
 made once], ``core/utils/storage.py``): FSDP's and ZeRO-3's units make their buffers and every
@@ -17,6 +17,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from tests.harness import run_distributed
 from tests.parity import global_batch, lm_loss, local_slice, make_model
+from tiny_fsdp.core.ddp import DDP
 from tiny_fsdp.core.fsdp import FSDP
 from tiny_fsdp.core.module.handler import TrainingPhase
 from tiny_fsdp.core.utils.storage import holds_memory
@@ -117,23 +118,26 @@ def test_a_later_forward_watches_outside_reads_without_a_call_per_tensor() -> No
 
 
 def _divisions(rank: int, world_size: int) -> Dict[str, int]:
-    """Per strategy: ``div_`` ops a training backward runs."""
+    """Per strategy: division ops (``div``, ``div_``) a training backward runs."""
     counts = {}
-    for name, wrapped in _wrapped(world_size).items():
+    wrappers = {"ddp": DDP(make_model(0)), **_wrapped(world_size)}
+    for name, wrapped in wrappers.items():
         x, y = global_batch(0, 2 * world_size, 8, 67)
         loss = lm_loss(wrapped(local_slice(x, rank, world_size)), local_slice(y, rank, world_size))
         with _CountOps() as counter:
             loss.backward()
-        counts[name] = sum(op.startswith("aten.div_") for op in counter.ops)
+        counts[name] = sum(op.startswith("aten.div") for op in counter.ops)
     return counts
 
 
 def test_one_rank_averages_its_gradients_without_dividing_by_one() -> None:
     # x / 1 == x bit for bit, so one rank skips the pass over every reduction buffer (a kernel
-    # per unit on a GPU); two ranks divide each buffer once before its reduction.
-    assert run_distributed(_divisions, 1)[0] == {"fsdp": 0, "zero3": 0}
+    # per unit on a GPU) and DDP copies each gradient into its bucket slot instead of dividing
+    # it there (a cheaper op to issue); two ranks divide each buffer once before its reduction,
+    # DDP each gradient (gpt2_tiny's 28) as it copies it.
+    assert run_distributed(_divisions, 1)[0] == {"ddp": 0, "fsdp": 0, "zero3": 0}
     for counts in run_distributed(_divisions, 2):
-        assert counts["fsdp"] >= 3 and counts["zero3"] >= 3, counts
+        assert counts["ddp"] >= 28 and counts["fsdp"] >= 3 and counts["zero3"] >= 3, counts
 
 
 def _after_a_failed_unshard(rank: int, world_size: int) -> Dict[str, Any]:

@@ -104,9 +104,12 @@ class GradBucket:
             view.zero_()
             return
         divisor = self.divisor if self.comm_hook is None else 1
-        if not self.is_slot(slot, grad):
+        if divisor == 1:  # x / 1 is x, bit for bit: a copy (in place: nothing), cheaper to issue
+            if not self.is_slot(slot, grad):
+                view.copy_(grad)
+        elif not self.is_slot(slot, grad):
             torch.div(grad, divisor, out=view)
-        elif divisor > 1:
+        else:
             view.div_(divisor)
         self._has_grad[slot] = True
 
