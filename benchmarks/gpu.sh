@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The GPU check in one command (needs one CUDA GPU; issue 17):
 #   1. every strategy's parity with PyTorch on CUDA (pytest -m cuda): NCCL at world size 1, and
-#      2 ranks sharing the GPU through gloo;
+#      2 ranks sharing the GPU through gloo; and no host synchronisation inside a training step;
 #   2. single-GPU throughput of GPT-2 124M in bf16, every strategy vs plain PyTorch and FSDP2,
 #      MFU printed;
 #   3. a timeline of FSDP training steps on the GPU (out/gpu/trace/fsdp.png and .trace.json):
