@@ -78,6 +78,40 @@ def test_an_unshard_dispatches_a_few_ops_per_collective_not_per_tensor() -> None
                 assert ops <= groups * (4 + 2 * 2), (name, tensors, groups, names)
 
 
+def _copy_outs(rank: int, world_size: int) -> List[Tuple[int, int, bool]]:
+    """Per FSDP unit: (tensors, copy-outs in its second unshard, every full tensor a view of
+    the all-gather output)."""
+    wrapped = FSDP(make_model(0))
+    seen = []
+    for unit in wrapped.units:
+        unit.wait_for_unshard(unit.unshard(async_op=False))  # the first makes the buffers
+        unit.reshard()
+        with _CountOps() as counter:
+            pending = unit.unshard(async_op=False)
+            unit.wait_for_unshard(pending)
+        (_, buffers), *_ = pending
+        out = buffers.out.buffer.untyped_storage().data_ptr()
+        full = [t for t in unit.hold(unit.layers[0]) if t is not None]
+        views = all(t.untyped_storage().data_ptr() == out for t in full)
+        unit.release(unit.layers[0], TrainingPhase.FORWARD)
+        unit.reshard()
+        copies = sum("split_with_sizes_copy" in op for op in counter.ops)
+        seen.append((sum(len(group) for group in unit.groups), copies, views))
+    return seen
+
+
+def test_on_one_rank_the_all_gather_output_is_the_full_tensors() -> None:
+    # Rank-major, several ranks' shards of a unit's tensors are interleaved: one copy-out puts
+    # each tensor's rows together. One rank's row is the tensors back to back, unpadded: the
+    # full tensors are views of it, and an unshard copies nothing out.
+    (one_rank,) = run_distributed(_copy_outs, 1)
+    assert max(tensors for tensors, _, _ in one_rank) >= 12, one_rank
+    assert all(copies == 0 and views for _, copies, views in one_rank), one_rank
+    for two_ranks in run_distributed(_copy_outs, 2):
+        several = [(c, v) for tensors, c, v in two_ranks if tensors > 1]
+        assert several and all(c == 1 and not v for c, v in several), two_ranks
+
+
 def _watched_calls(rank: int, world_size: int) -> Dict[str, Tuple[int, int, int]]:
     """Per strategy: (tensors, groups of its units, calls of the watched parameters'
     ``__torch_function__`` in a later training forward)."""

@@ -21,7 +21,7 @@ class OutViews(NamedTuple):
 
     grid: torch.Tensor  # (world, numel): row r is rank r's shards, in group order
     own: torch.Tensor  # row ``rank``: this rank's shards go straight in
-    full: Dict[int, torch.Tensor]  # one-tensor group: id(param) -> its full tensor
+    full: Dict[int, torch.Tensor]  # one tensor or one rank: id(param) -> its full tensor
 
 
 class PaddedViews(NamedTuple):
@@ -35,6 +35,7 @@ class GatherBuffers:
     """One group's all-gather output (world_size * numel,), its padded copy-out and their views.
 
     A one-tensor group has no copy-out (``padded`` None): its output is its padded full tensor.
+    Nor has a group on one rank: its output is its full tensors back to back, unpadded.
     """
 
     def __init__(
@@ -53,7 +54,7 @@ class GatherBuffers:
             numel, dtype, device, lambda out: _out_views(out, world, rank, ids, infos)
         )
         self.padded: Optional[Memory[PaddedViews]] = None
-        if len(group) > 1:
+        if len(group) > 1 and world > 1:
             self.padded = Memory(
                 numel, dtype, device, lambda p: _padded_views(p, world, ids, infos)
             )
@@ -69,7 +70,12 @@ def _out_views(
     out: torch.Tensor, world: int, rank: int, ids: List[int], infos: List[ShardedParam]
 ) -> OutViews:
     grid = out.view(world, -1)
-    full = {ids[0]: infos[0].full_view(out)} if len(ids) == 1 else {}
+    full = {}
+    if len(ids) == 1:
+        full = {ids[0]: infos[0].full_view(out)}
+    elif world == 1:  # one row: the unpadded full tensors, back to back
+        chunks = out.split([info.shard_numel for info in infos])
+        full = {i: info.full_view(chunk) for i, info, chunk in zip(ids, infos, chunks)}
     return OutViews(grid, grid[rank], full)
 
 
