@@ -112,6 +112,37 @@ def test_on_one_rank_the_all_gather_output_is_the_full_tensors() -> None:
         assert several and all(c == 1 and not v for c, v in several), two_ranks
 
 
+def _reduce_scatters_in_place(rank: int, world_size: int) -> List[bool]:
+    """Per reduce-scatter of an FSDP backward: whether its output is its input."""
+    from tiny_fsdp.core import comm
+
+    wrapped = FSDP(make_model(0))
+    x, y = global_batch(0, 2 * world_size, 8, 67)
+    x, y = local_slice(x, rank, world_size), local_slice(y, rank, world_size)
+    real, seen = comm.reduce_scatter, []
+
+    def recording(output: torch.Tensor, input: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+        seen.append(output.data_ptr() == input.data_ptr())
+        return real(output, input, *args, **kwargs)
+
+    comm.reduce_scatter = recording
+    try:
+        lm_loss(wrapped(x), y).backward()
+    finally:
+        comm.reduce_scatter = real
+    return seen
+
+
+def test_on_one_rank_a_unit_s_gradients_are_reduced_in_place() -> None:
+    # A reduce-scatter on one rank is the identity: the unit's gradient buffer is its own
+    # result, with no second buffer and no copy into one; with two ranks each rank receives
+    # its row into a buffer of its own.
+    (one_rank,) = run_distributed(_reduce_scatters_in_place, 1)
+    assert len(one_rank) >= 3 and all(one_rank), one_rank
+    for two_ranks in run_distributed(_reduce_scatters_in_place, 2):
+        assert len(two_ranks) >= 3 and not any(two_ranks), two_ranks
+
+
 def _watched_calls(rank: int, world_size: int) -> Dict[str, Tuple[int, int, int]]:
     """Per strategy: (tensors, groups of its units, calls of the watched parameters'
     ``__torch_function__`` in a later training forward)."""

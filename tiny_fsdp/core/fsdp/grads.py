@@ -3,7 +3,8 @@
 A group's buffer has shape (world_size, numel): row r holds, for every parameter of the group
 in order, the rows of its full gradient that rank r's shard covers ([Note: dim-0 shards];
 padding rows zero). A reduce-scatter leaves row ``rank`` summed on this rank: its shard
-gradients, concatenated ([Note: unit reduction]).
+gradients, concatenated ([Note: unit reduction]); on one rank the buffer is that row already,
+reduced in place.
 """
 
 from typing import FrozenSet, List, Optional
@@ -51,7 +52,10 @@ class ReduceScatterGrads(UnitGradients):
         self, group: List[nn.Parameter], buffer: torch.Tensor, unused: FrozenSet[int]
     ) -> None:
         numel = buffer.numel() // self.state.world_size
-        reduced = huge_pages.empty(numel, buffer.dtype, buffer.device)  # this rank's row
+        if self.state.world_size == 1:  # the identity ([Note: collectives on one rank]): in
+            reduced = buffer  # place, no second buffer and no copy into it
+        else:
+            reduced = huge_pages.empty(numel, buffer.dtype, buffer.device)  # this rank's row
         infos = [shard_info(param) for param in group]
         pieces = reduced.split([info.shard_numel for info in infos])  # one op, not one a part
         parts = [(p, piece.view(i.shard_shape)) for p, i, piece in zip(group, infos, pieces)]
