@@ -34,8 +34,8 @@ class PaddedViews(NamedTuple):
 class GatherBuffers:
     """One group's all-gather output (world_size * numel,), its padded copy-out and their views.
 
-    A one-tensor group has no copy-out (``padded`` None): its output is its padded full tensor.
-    Nor has a group on one rank: its output is its full tensors back to back, unpadded.
+    A one-tensor group has no copy-out (``padded`` None): its output is its padded full tensor;
+    nor has a group on one rank, whose output is its full tensors back to back.
     """
 
     def __init__(
@@ -54,7 +54,7 @@ class GatherBuffers:
             numel, dtype, device, lambda out: _out_views(out, world, rank, ids, infos)
         )
         self.padded: Optional[Memory[PaddedViews]] = None
-        if len(group) > 1 and world > 1:
+        if not _laid_out_whole(len(group), world):
             self.padded = Memory(
                 numel, dtype, device, lambda p: _padded_views(p, world, ids, infos)
             )
@@ -70,13 +70,14 @@ def _out_views(
     out: torch.Tensor, world: int, rank: int, ids: List[int], infos: List[ShardedParam]
 ) -> OutViews:
     grid = out.view(world, -1)
-    full = {}
-    if len(ids) == 1:
-        full = {ids[0]: infos[0].full_view(out)}
-    elif world == 1:  # one row: the unpadded full tensors, back to back
-        chunks = out.split([info.shard_numel for info in infos])
-        full = {i: info.full_view(chunk) for i, info, chunk in zip(ids, infos, chunks)}
+    full = _padded_views(out, world, ids, infos).full if _laid_out_whole(len(ids), world) else {}
     return OutViews(grid, grid[rank], full)
+
+
+def _laid_out_whole(tensors: int, world: int) -> bool:
+    """Whether the rank-major output is already laid out as the copy-out would be (each
+    tensor's shards rank after rank): one tensor, or one rank."""
+    return tensors == 1 or world == 1
 
 
 def _padded_views(
