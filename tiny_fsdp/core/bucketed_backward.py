@@ -196,7 +196,8 @@ class BucketedBackward:
     def _densify(self, index: int, param: nn.Parameter) -> None:
         """A sparse ``.grad`` the store does not take sparse is made dense ([Note: sparse
         gradients])."""
-        if index not in self.store.sparse_indices:
+        grad = param.grad
+        if grad is not None and grad.is_sparse and index not in self.store.sparse_indices:
             densify_grad(param)
 
     def _watch_output(self, output: Any) -> None:

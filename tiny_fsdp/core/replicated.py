@@ -111,8 +111,12 @@ class ReplicatedWrapper(DataParallelWrapper):
 
     @property
     def buffers_due(self) -> bool:
-        """The next forward broadcasts the buffers."""
-        return self.broadcast_buffers and self._sync_buffers_before_forward
+        """The next forward broadcasts the buffers (on one rank they are rank 0's already)."""
+        return (
+            self.broadcast_buffers
+            and self._sync_buffers_before_forward
+            and dist.get_world_size() > 1
+        )
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         if self.buffers_due:

@@ -75,6 +75,7 @@ class GradBucket:
             self.views.append(self.buffer[offset : offset + p.numel()].view(p.shape))
             offset += p.numel()
         self.flags = self.buffer[total:]  # (len(params),)
+        self._layouts = [(v.shape, v.stride(), v.storage_offset()) for v in self.views]
         self._has_grad = [False] * len(self.params)
         self._work: Optional[Any] = None  # dist.Work, or HookWork with a communication hook
         self.launched = False
@@ -87,38 +88,41 @@ class GradBucket:
         view = self.views[slot]
         return (
             grad is not None
+            and grad.dtype == view.dtype  # first: under mixed precision it tells at once
             and grad.data_ptr() == view.data_ptr()
-            and grad.dtype == view.dtype
             and grad.shape == view.shape
         )
 
-    def add_grad(self, slot: int, grad: Optional[torch.Tensor]) -> None:
+    def add_grad(self, slot: int, grad: Optional[torch.Tensor]) -> bool:
         """Put ``grad / world_size`` (shape of ``params[slot]``; ``grad`` itself with a
         communication hook) in its slot: in place when ``grad`` is the slot, else copied (and
-        cast) in the same pass.
+        cast) in the same pass. Returns whether ``grad`` is the slot.
 
         ``grad`` None (the parameter had no gradient on this rank): zeros, and a zero flag.
         """
         view = self.views[slot]
         if grad is None:
             view.zero_()
-            return
+            return False
+        in_slot = self.is_slot(slot, grad)
         divisor = self.divisor if self.comm_hook is None else 1
         if divisor == 1:  # x / 1 is x, bit for bit: a copy (in place: nothing), cheaper to issue
-            if not self.is_slot(slot, grad):
+            if not in_slot:
                 view.copy_(grad)
-        elif not self.is_slot(slot, grad):
+        elif not in_slot:
             torch.div(grad, divisor, out=view)
         else:
             view.div_(divisor)
         self._has_grad[slot] = True
+        return in_slot
 
     def views_as(self, dtype: torch.dtype) -> List[torch.Tensor]:
         """Every slot, in ``dtype``: views of one copy of the buffer's gradients, cast in one op
-        instead of one per slot (a kernel each on a GPU)."""
+        instead of one per slot (a kernel each on a GPU). The copy is laid out as the buffer,
+        so each view takes its slot's shape, strides and offset (one op per slot, where a
+        split and a reshape are two)."""
         cast = self.buffer[: len(self.buffer) - len(self.params)].to(dtype)
-        pieces = cast.split([view.numel() for view in self.views])
-        return [piece.view(view.shape) for piece, view in zip(pieces, self.views)]
+        return [cast.as_strided(*layout) for layout in self._layouts]
 
     def launch(self, async_op: bool) -> None:
         """Start the SUM all-reduce of the buffer, in place (every slot added)."""
@@ -258,8 +262,7 @@ class AllReduceBuckets:
             self._sparse(self._where[index][0]).add_grad(grad)
             return
         bucket, slot, slot_is_grad = self._slot(index)
-        bucket.add_grad(slot, grad)
-        if grad is None or bucket.is_slot(slot, grad):
+        if bucket.add_grad(slot, grad) or grad is None:
             return
         if slot_is_grad:
             self._set_grad(param, bucket.views[slot])  # from now on the slot is the gradient

@@ -225,10 +225,13 @@ class FlatBuffer:
         self.tensors = [
             torch.zeros(b.numel, dtype=dtypes[b.group], device=device) for b in layout.buckets
         ]
+        self._views = [self._make_view(s) for s in layout.slots]  # made once: 3 ops fewer a call
 
     def view(self, index: int) -> torch.Tensor:
-        """Parameter ``index``'s slot, shaped like the parameter."""
-        s = self.layout.slots[index]
+        """Parameter ``index``'s slot, shaped like the parameter (the same tensor each call)."""
+        return self._views[index]
+
+    def _make_view(self, s: Slot) -> torch.Tensor:
         start = s.start - self.layout.buckets[s.bucket].start
         return self.tensors[s.bucket][start : start + s.numel].view(s.shape)
 

@@ -373,6 +373,14 @@ class StagedGradShard(ZeroGradStore):
         self._staging: List[Optional[torch.Tensor]] = [None] * len(self.layout.buckets)
         self._allocated = [0] * len(self.layout.buckets)  # bytes allocated for a staging buffer
         self.stats = ReduceStats()  # allocated staging buffers (gradients excluded): live, peak
+        # Per parameter, (shape, strides, offset) of its slot in its bucket's staging buffer:
+        # the slot is then one op on a new buffer (a slice and a reshape are two).
+        self._staged_at: List[Tuple[torch.Size, Tuple[int, ...], int]] = []
+        for s in self.layout.slots:
+            strides = torch.empty(s.shape, device="meta").stride()
+            self._staged_at.append(
+                (s.shape, strides, s.start - self.layout.buckets[s.bucket].start)
+            )
 
     def keep_local(self, index: int, param: nn.Parameter) -> None:
         pass  # autograd accumulates into the full param.grad
@@ -384,7 +392,9 @@ class StagedGradShard(ZeroGradStore):
         staging = self._staging[slot.bucket]
         grad = param.grad
         if staging is None and grad is not None and self._is_whole_bucket(slot, bucket, grad):
-            self._staging[slot.bucket] = grad.view(-1).div_(self.world_size)  # in place
+            self._staging[slot.bucket] = grad.view(-1)
+            if self.world_size > 1:
+                grad.div_(self.world_size)  # in place
             param.grad = None
             return
         if staging is None:
@@ -394,12 +404,13 @@ class StagedGradShard(ZeroGradStore):
             end = self.layout.slots[bucket.slots[-1]]
             staging[end.start + end.numel - bucket.start :].zero_()  # the padding
             self._staging[slot.bucket] = staging
-        offset = slot.start - bucket.start
-        out = staging[offset : offset + slot.numel].view(slot.shape)
-        if param.grad is None:
+        out = staging.as_strided(*self._staged_at[index])
+        if grad is None:
             out.zero_()
+        elif self.world_size == 1:  # x / 1 is x, bit for bit: a copy, cheaper to issue
+            out.copy_(grad)
         else:
-            torch.div(param.grad, self.world_size, out=out)  # copy and pre-divide in one pass
+            torch.div(grad, self.world_size, out=out)  # copy and pre-divide in one pass
         param.grad = None
 
     def _is_whole_bucket(self, slot: Slot, bucket: Bucket, grad: torch.Tensor) -> bool:
