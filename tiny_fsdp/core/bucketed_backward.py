@@ -196,8 +196,7 @@ class BucketedBackward:
     def _densify(self, index: int, param: nn.Parameter) -> None:
         """A sparse ``.grad`` the store does not take sparse is made dense ([Note: sparse
         gradients])."""
-        grad = param.grad
-        if grad is not None and grad.is_sparse and index not in self.store.sparse_indices:
+        if index not in self.store.sparse_indices:
             densify_grad(param)
 
     def _watch_output(self, output: Any) -> None:
@@ -268,6 +267,19 @@ class BucketedBackward:
                 self.store.end(self._sync)
         finally:
             self._reset()
+
+
+def divide_into(out: torch.Tensor, grad: torch.Tensor, divisor: int, in_place: bool) -> None:
+    """``out`` := ``grad / divisor``, a store's pre-division before its SUM ([Note: bucketed
+    backward]); ``in_place``: ``grad`` is ``out``. x / 1 is x bit for bit, so a divisor of 1
+    copies (in place: nothing), an op cheaper to issue than a division."""
+    if in_place:
+        if divisor != 1:
+            out.div_(divisor)
+    elif divisor == 1:
+        out.copy_(grad)
+    else:
+        torch.div(grad, divisor, out=out)  # copy and divide in one pass
 
 
 def _grad_ready_hook(

@@ -40,6 +40,7 @@ import torch
 from torch import nn
 
 from tiny_fsdp.core import comm
+from tiny_fsdp.core.bucketed_backward import divide_into
 from tiny_fsdp.core.ddp.comm_hooks import CommHook
 from tiny_fsdp.core.ddp.mixed_precision import ParamCast
 from tiny_fsdp.core.sparse_grads import SparseGradReduction
@@ -105,14 +106,7 @@ class GradBucket:
             view.zero_()
             return False
         in_slot = self.is_slot(slot, grad)
-        divisor = self.divisor if self.comm_hook is None else 1
-        if divisor == 1:  # x / 1 is x, bit for bit: a copy (in place: nothing), cheaper to issue
-            if not in_slot:
-                view.copy_(grad)
-        elif not in_slot:
-            torch.div(grad, divisor, out=view)
-        else:
-            view.div_(divisor)
+        divide_into(view, grad, self.divisor if self.comm_hook is None else 1, in_slot)
         self._has_grad[slot] = True
         return in_slot
 

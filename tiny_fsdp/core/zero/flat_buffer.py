@@ -156,6 +156,20 @@ class FlatLayout:
             shard_start += chunk
         self.numel = start
         self.shard_numel = shard_start
+        # Per parameter, (shape, strides, offset) of its slot in a tensor laid out as its bucket:
+        # a slot is then one op (as_strided) on a bucket made anew (a slice and a reshape are two).
+        self._in_bucket = [
+            (
+                s.shape,
+                torch.empty(s.shape, device="meta").stride(),
+                s.start - self.buckets[s.bucket].start,
+            )
+            for s in self.slots
+        ]
+
+    def in_bucket(self, index: int) -> Tuple[torch.Size, Tuple[int, ...], int]:
+        """``as_strided`` arguments of parameter ``index``'s slot in a (bucket numel,) tensor."""
+        return self._in_bucket[index]
 
     def chunk_range(self, bucket: int, rank: int) -> Tuple[int, int]:
         """Flat ``[start, stop)`` of ``rank``'s chunk of ``bucket``."""
@@ -225,15 +239,13 @@ class FlatBuffer:
         self.tensors = [
             torch.zeros(b.numel, dtype=dtypes[b.group], device=device) for b in layout.buckets
         ]
-        self._views = [self._make_view(s) for s in layout.slots]  # made once, not at each call
+        self._views = [  # made once, not at each call
+            self.tensors[s.bucket].as_strided(*layout.in_bucket(s.index)) for s in layout.slots
+        ]
 
     def view(self, index: int) -> torch.Tensor:
         """Parameter ``index``'s slot, shaped like the parameter (the same tensor each call)."""
         return self._views[index]
-
-    def _make_view(self, s: Slot) -> torch.Tensor:
-        start = s.start - self.layout.buckets[s.bucket].start
-        return self.tensors[s.bucket][start : start + s.numel].view(s.shape)
 
     def bucket(self, bucket: int) -> torch.Tensor:
         """Bucket ``bucket``, flat: (N * chunk,)."""

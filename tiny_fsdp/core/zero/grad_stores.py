@@ -78,6 +78,7 @@ import torch
 from torch import nn
 
 from tiny_fsdp.core import comm
+from tiny_fsdp.core.bucketed_backward import divide_into
 from tiny_fsdp.core.reductions import ReduceStats
 from tiny_fsdp.core.zero.flat_buffer import (
     Bucket,
@@ -311,24 +312,20 @@ class FullGradBuffer(ZeroGradStore):
         self._receiving = {}
 
     def keep_local(self, index: int, param: nn.Parameter) -> None:
-        self._into_view(index, param, divide=False)
+        self._into_view(index, param, divisor=1)
 
     def _stage(self, index: int, param: nn.Parameter) -> None:
-        self._into_view(index, param, divide=self.world_size > 1)
+        self._into_view(index, param, divisor=self.world_size)
 
-    def _into_view(self, index: int, param: nn.Parameter, divide: bool) -> None:
-        """Make ``param.grad`` the parameter's view of the buffer, holding ``grad / N`` if
-        ``divide`` (``param.grad`` None: zeros)."""
+    def _into_view(self, index: int, param: nn.Parameter, divisor: int) -> None:
+        """Make ``param.grad`` the parameter's view of the buffer, holding ``grad / divisor``
+        (``param.grad`` None: zeros; already the view: accumulated in place over ``no_sync``
+        micro-steps)."""
         view = self.buffer.view(index)
-        fresh = param.grad is not None and param.grad.data_ptr() != view.data_ptr()
         if param.grad is None:
             view.zero_()  # end of backward, unused parameter: contributes zeros
-        elif fresh and divide:
-            torch.div(param.grad, self.world_size, out=view)  # copy and divide in one pass
-        elif fresh:
-            view.copy_(param.grad)
-        elif divide:
-            view.div_(self.world_size)  # accumulated in place over no_sync micro-steps
+        else:
+            divide_into(view, param.grad, divisor, param.grad.data_ptr() == view.data_ptr())
         param.grad = view
 
     def reduced_grad(self, piece: Piece) -> torch.Tensor:
@@ -373,14 +370,6 @@ class StagedGradShard(ZeroGradStore):
         self._staging: List[Optional[torch.Tensor]] = [None] * len(self.layout.buckets)
         self._allocated = [0] * len(self.layout.buckets)  # bytes allocated for a staging buffer
         self.stats = ReduceStats()  # allocated staging buffers (gradients excluded): live, peak
-        # Per parameter, (shape, strides, offset) of its slot in its bucket's staging buffer:
-        # the slot is then one op on a new buffer (a slice and a reshape are two).
-        self._staged_at: List[Tuple[torch.Size, Tuple[int, ...], int]] = []
-        for s in self.layout.slots:
-            strides = torch.empty(s.shape, device="meta").stride()
-            self._staged_at.append(
-                (s.shape, strides, s.start - self.layout.buckets[s.bucket].start)
-            )
 
     def keep_local(self, index: int, param: nn.Parameter) -> None:
         pass  # autograd accumulates into the full param.grad
@@ -393,8 +382,7 @@ class StagedGradShard(ZeroGradStore):
         grad = param.grad
         if staging is None and grad is not None and self._is_whole_bucket(slot, bucket, grad):
             self._staging[slot.bucket] = grad.view(-1)
-            if self.world_size > 1:
-                grad.div_(self.world_size)  # in place
+            divide_into(grad, grad, self.world_size, in_place=True)
             param.grad = None
             return
         if staging is None:
@@ -404,13 +392,11 @@ class StagedGradShard(ZeroGradStore):
             end = self.layout.slots[bucket.slots[-1]]
             staging[end.start + end.numel - bucket.start :].zero_()  # the padding
             self._staging[slot.bucket] = staging
-        out = staging.as_strided(*self._staged_at[index])
+        out = staging.as_strided(*self.layout.in_bucket(index))
         if grad is None:
             out.zero_()
-        elif self.world_size == 1:  # x / 1 is x, bit for bit: a copy, cheaper to issue
-            out.copy_(grad)
         else:
-            torch.div(grad, self.world_size, out=out)  # copy and pre-divide in one pass
+            divide_into(out, grad, self.world_size, in_place=False)
         param.grad = None
 
     def _is_whole_bucket(self, slot: Slot, bucket: Bucket, grad: torch.Tensor) -> bool:
