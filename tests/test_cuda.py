@@ -10,6 +10,7 @@ kernels.
 """
 
 import copy
+import functools
 from collections import OrderedDict
 from typing import Any, Tuple
 
@@ -176,6 +177,52 @@ def test_adamw_launches_a_few_kernels_per_batch_on_cuda() -> None:
     assert 0 < len(kernels) < len(params), len(kernels)  # per tensor it would be ~8 each
     for p, r in zip(params, ref):
         torch.testing.assert_close(p, r, atol=1e-6, rtol=0)
+
+
+def test_a_list_is_cast_in_one_launch_on_cuda() -> None:
+    """[Note: casts in one launch]: DDP's bf16 compute copies of 150 parameters, and an AdamW
+    step whose gradients are bf16 (ZeRO-1/2's), launch a few kernels, not one per tensor, and
+    give ``.to``'s values and torch.optim.AdamW's update of the fp32 gradients."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    from torch.profiler import ProfilerActivity, profile
+
+    from tiny_fsdp.core.ddp.mixed_precision import ParamCast
+    from tiny_fsdp.core.optim import adamw_update_
+
+    def kernels_of(run: Any) -> int:
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            run()
+            torch.cuda.synchronize()
+        return sum(e.device_type == torch.autograd.DeviceType.CUDA for e in prof.events())
+
+    gen = torch.Generator().manual_seed(0)
+    shapes = [(64,), (3, 40), (5, 2, 7)] * 50
+    params = [nn.Parameter(torch.randn(s, generator=gen).cuda()) for s in shapes]
+    expected = [p.detach().to(torch.bfloat16) for p in params]
+    cast = ParamCast(params, torch.bfloat16)
+    assert kernels_of(cast.to_compute) < 10
+    assert all(p.dtype == torch.bfloat16 and torch.equal(p, e) for p, e in zip(params, expected))
+    cast.to_master()
+    assert all(p.dtype == torch.float32 for p in params)
+
+    # The rule with bf16 gradients (ZeRO-1/2's pieces), with them cast beforehand, and torch's.
+    grads = [torch.randn(p.shape, generator=gen).cuda().to(torch.bfloat16) for p in params]
+    ours, cast_first = [p.detach().clone() for p in params], [p.detach().clone() for p in params]
+    ref = [nn.Parameter(p.detach().clone()) for p in params]
+    for r, g in zip(ref, grads):
+        r.grad = g.float()
+    theirs = torch.optim.AdamW(ref, **HYPER, foreach=True)
+    hyper = dict(lr=HYPER["lr"], beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.1)
+    states: Any = ([{} for _ in params], [{} for _ in params])
+    for _ in range(2):  # the state is made on the first step, the kernels counted on the second
+        launched = kernels_of(functools.partial(adamw_update_, ours, grads, states[0], **hyper))
+        adamw_update_(cast_first, [g.float() for g in grads], states[1], **hyper)
+        theirs.step()
+    assert launched < 30, launched  # one per tensor: 150 casts alone
+    assert all(torch.equal(a, b) for a, b in zip(ours, cast_first))
+    for a, r in zip(ours, ref):
+        torch.testing.assert_close(a, r, atol=1e-6, rtol=0)  # as in the test above
 
 
 def test_adamw_runs_the_foreach_ops_on_cuda_and_refuses_fused_true() -> None:

@@ -21,6 +21,7 @@ from tests.parity import global_batch, lm_loss, local_slice, make_model
 from tiny_fsdp.core.ddp import DDP
 from tiny_fsdp.core.fsdp import FSDP
 from tiny_fsdp.core.module.handler import TrainingPhase
+from tiny_fsdp.core.utils.casts import cast_all
 from tiny_fsdp.core.utils.storage import holds_memory
 from tiny_fsdp.core.zero3 import Zero3, zero3_partition_tensors
 
@@ -395,3 +396,26 @@ def test_zero_mixed_precision_writes_back_a_bucket_of_masters_at_once() -> None:
     for per_rank in run_distributed(_zero_bf16_step, 2):
         for stage, (copies, buckets, pieces) in per_rank.items():
             assert buckets < pieces and copies <= buckets, (stage, copies, buckets, pieces)
+
+
+def test_a_list_cast_together_is_to_s_casts_in_one_storage() -> None:
+    # [Note: casts in one launch]: cast_all gives each tensor .to's values (one rounding); cast
+    # together (an accelerator's default) the casts are views of one buffer, filled by one
+    # multi-tensor copy. A tensor already of the dtype is returned as is; one that is not
+    # contiguous is cast alone and keeps its strides, as .to keeps them. On the CPU (default)
+    # every tensor is cast alone.
+    gen = torch.Generator().manual_seed(0)
+    shapes = [(3, 5), (7,), (2, 3, 4), (1,)]
+    for source, target in ((torch.float32, torch.bfloat16), (torch.bfloat16, torch.float32)):
+        tensors = [torch.randn(s, generator=gen).to(source) for s in shapes]
+        tensors.append(torch.randn(4, 6, generator=gen).to(source).t())
+        tensors.append(torch.randn(5, generator=gen).to(target))
+        casts = cast_all(tensors, target, together=True)
+        for tensor, cast in zip(tensors, casts):
+            expected = tensor.to(target)
+            assert torch.equal(cast, expected) and cast.stride() == expected.stride()
+        assert casts[-1] is tensors[-1]
+        together = {c.untyped_storage().data_ptr() for c in casts[: len(shapes)]}
+        assert len(together) == 1 and casts[-2].untyped_storage().data_ptr() not in together
+        alone = {c.untyped_storage().data_ptr() for c in cast_all(tensors[:4], target)}
+        assert len(alone) == len(shapes)

@@ -9,8 +9,14 @@ import pytest
 import torch
 from torch import nn
 
+from example.model import GPT2Model, GPTConfigs
 from tiny_fsdp.core.optim import SGD, AdamW, BaseOptimizer, adamw_update_, sgd_update_
-from tiny_fsdp.core.optim.base import CPU_UPDATE_BATCH_BYTES, sum_of_squares, update_batches
+from tiny_fsdp.core.optim.base import (
+    CPU_UPDATE_BATCH_BYTES,
+    UPDATE_BATCH_BYTES,
+    sum_of_squares,
+    update_batches,
+)
 
 # Both implementations run the same fp32 ops in the same order; 1e-6 leaves room for a
 # different kernel (e.g. lerp vs mul/add) rounding differently without hiding a real bug.
@@ -446,6 +452,22 @@ def test_update_batches_share_device_and_dtype_and_cap_their_bytes() -> None:
     big = [(t, t, {}) for t in map(torch.zeros, sizes)]
     assert [len(params) for params, _, _ in update_batches(updates)] == [4, 1]  # by dtype
     assert [len(params) for params, _, _ in update_batches(big)] == [2, 1]
+
+
+def test_an_accelerator_steps_gpt2_124m_in_a_few_calls_of_the_rule() -> None:
+    """[Note: one update rule]: on an accelerator a batch holds up to UPDATE_BATCH_BYTES of
+    parameters, so GPT-2 124M's 148 tensors (475 MiB of fp32) take four calls of ~10
+    multi-tensor kernels each, not 14 (32 MiB batches, which left a GPU waiting for its host);
+    the rule's temporaries stay within a batch (the token embedding, 147 MiB, is one alone),
+    where torch.optim.AdamW's are the size of the whole model."""
+    with torch.device("meta"):
+        params = list(GPT2Model(GPTConfigs.gpt2).parameters())
+    batches = [p for p, _, _ in update_batches((p, p, {}) for p in params)]
+    assert len(params) == 148 and len(batches) == 4
+    assert all(
+        sum(p.numel() * 4 for p in batch) <= UPDATE_BATCH_BYTES or len(batch) == 1
+        for batch in batches
+    )
 
 
 class ShardedSGD(SGD):

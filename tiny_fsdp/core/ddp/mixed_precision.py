@@ -40,6 +40,8 @@ from typing import Dict, List, Optional, Sequence, Tuple
 import torch
 from torch import nn
 
+from tiny_fsdp.core.utils.casts import cast_all
+
 
 class ParamCast:
     """Swaps ``params`` between their masters and ``dtype`` compute copies ([Note: DDP mixed
@@ -64,8 +66,8 @@ class ParamCast:
         if self.in_compute:
             return
         self._masters = [p.data for p in self.params]
-        for p, master in zip(self.params, self._masters):
-            p.data = master.to(self.dtype)
+        for p, copy in zip(self.params, cast_all(self._masters, self.dtype)):
+            p.data = copy  # [Note: casts in one launch]
 
     def to_master(self, attach_grads: bool = True) -> None:
         """``param.data`` := the master again; then the gradients kept by ``set_grad`` become

@@ -11,7 +11,12 @@ import torch.nn.functional as F
 from torch import Tensor
 from torch.nn.utils.rnn import pad_sequence
 
-from .base import UPDATE_BATCH_BYTES, BaseOptimizer, ParamsT, as_real, batch_limit
+from tiny_fsdp.core.utils.casts import cast_like
+
+from .base import BaseOptimizer, ParamsT, as_real, batch_limit
+
+#: The most parameter bytes one call of the fused CPU kernel gets (``AdamW._batch_limit``).
+FUSED_BATCH_BYTES = 32 * 2**20
 
 
 def adamw_update_(
@@ -43,10 +48,14 @@ def adamw_update_(
     always the foreach ops (bit for bit ``torch.optim.AdamW``'s CPU default); True requires the
     kernel (ValueError where it does not apply). [Note: fused AdamW on the CPU].
     """
-    grads = [g.to(p.dtype) for p, g in zip(params, grads)]
+    grads = cast_like(grads, params)  # [Note: casts in one launch]
     _init_state(params, states, amsgrad)
     steps = [state["step"] for state in states]
-    torch._foreach_add_(steps, 1)
+    # On the CPU the foreach add runs tensor by tensor, wrapping a Python 1 into a tensor for
+    # each: one wrapped here serves them all (the same sums).
+    torch._foreach_add_(
+        steps, torch.ones((), dtype=steps[0].dtype) if steps[0].is_cpu else 1, alpha=1
+    )
     if any(p.is_complex() for p in params):  # real and imaginary parts step apart, as torch's
         params, grads = [as_real(p) for p in params], [as_real(g) for g in grads]
         states = [{k: as_real(v) if k != "step" else v for k, v in s.items()} for s in states]
@@ -251,7 +260,7 @@ class AdamW(BaseOptimizer):
     def _batch_limit(self, group: dict[str, Any], device: torch.device) -> int:
         """The fused kernel keeps no temporaries and pays for tails per call: large batches."""
         if self._fused(group) is not False and device.type == "cpu":
-            return UPDATE_BATCH_BYTES
+            return FUSED_BATCH_BYTES
         return batch_limit(device)
 
     def _update_(

@@ -7,6 +7,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from tiny_fsdp.core.utils.casts import cast_like
+
 from .base import BaseOptimizer, ParamsT
 
 
@@ -31,7 +33,7 @@ def sgd_update_(
     modified; ``states[i]["momentum_buffer"]`` (shape of the parameter) exists only if
     momentum != 0.
     """
-    d_ps = [g.to(p.dtype) for p, g in zip(params, grads)]
+    d_ps = cast_like(grads, params)  # [Note: casts in one launch]
     # Out-of-place ops until the d_ps are fresh tensors: a grad may be a shared comm buffer.
     if maximize:
         d_ps = torch._foreach_neg(d_ps)
