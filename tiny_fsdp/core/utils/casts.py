@@ -11,7 +11,7 @@ multi-tensor kernel for the whole list. The values are ``.to``'s bit for bit (on
 each element either way); the casts are contiguous and share one storage, freed with the last of
 them. On the CPU, where a foreach copy runs tensor by tensor anyway and a large fresh buffer
 costs page faults ([Note: huge pages for transient buffers]), and for tensors that are not
-contiguous (``.to`` keeps their strides), each tensor is cast alone.
+contiguous (``.to`` keeps their strides) or not strided (sparse), each tensor is cast alone.
 """
 
 from typing import List, Optional, Sequence
@@ -36,7 +36,7 @@ def cast_all(
     device = out[todo[0]].device
     if together is None:
         together = device.type != "cpu"
-    joint = [i for i in todo if together and out[i].device == device and out[i].is_contiguous()]
+    joint = [i for i in todo if together and out[i].device == device and _flat(out[i])]
     if len(joint) < 2:
         joint = []
     for i in set(todo).difference(joint):
@@ -49,6 +49,11 @@ def cast_all(
         for i, cast in zip(joint, casts):
             out[i] = cast
     return out
+
+
+def _flat(tensor: Tensor) -> bool:
+    """Strided and contiguous: a view of a flat buffer can hold it as it is."""
+    return tensor.layout == torch.strided and tensor.is_contiguous()
 
 
 def cast_like(tensors: Sequence[Tensor], likes: Sequence[Tensor]) -> List[Tensor]:
