@@ -423,3 +423,52 @@ def test_a_list_cast_together_is_to_s_casts_in_one_storage() -> None:
         assert len(together) == 1 and casts[-3].untyped_storage().data_ptr() not in together
         alone = {c.untyped_storage().data_ptr() for c in cast_all(tensors[:4], target)}
         assert len(alone) == len(shapes)
+
+
+def _bf16_steps(rank: int, world_size: int) -> Dict[str, Dict[bool, Any]]:
+    """DDP and ZeRO-1/2 under bf16, three steps each with the casts of [Note: casts in one
+    launch] joined (an accelerator's way, here on the CPU) and not: (foreach copies in a step,
+    final parameters)."""
+    from unittest import mock
+
+    from tiny_fsdp.core import zero
+    from tiny_fsdp.core.ddp import DDPAdamW
+    from tiny_fsdp.core.precision import MixedPrecisionPolicy
+    from tiny_fsdp.core.utils import casts
+
+    seen: Dict[str, Dict[bool, Any]] = {}
+    for name in ("ddp", "zero1", "zero2"):
+        seen[name] = {}
+        for joined in (False, True):
+            policy = MixedPrecisionPolicy.from_name("bf16")
+            if name == "ddp":
+                model: Any = DDP(make_model(0), mixed_precision=policy)
+                optimizer: Any = DDPAdamW(model.named_parameters(), weight_decay=0.1)
+            else:
+                model = getattr(zero, f"Zero{name[-1]}")(make_model(0), mixed_precision=policy)
+                optimizer_class = getattr(zero, f"Zero{name[-1]}AdamW")
+                optimizer = optimizer_class(model.named_parameters(), weight_decay=0.1)
+            with mock.patch.object(casts, "joins_by_default", lambda device: joined):
+                for step in range(3):
+                    x, y = global_batch(step, 2 * world_size, 8, 67)
+                    x, y = local_slice(x, rank, world_size), local_slice(y, rank, world_size)
+                    with _CountOps() as counter:
+                        lm_loss(model(x), y).backward()
+                        optimizer.step()
+                    optimizer.zero_grad()
+            joins = counter.ops.count("aten._foreach_copy_.default")
+            seen[name][joined] = (joins, [p.detach().clone() for p in model.parameters()])
+    return seen
+
+
+def test_casts_joined_train_to_the_same_bits() -> None:
+    # [Note: casts in one launch] on an accelerator: DDP's compute copies are views of one bf16
+    # buffer and ZeRO-1/2's bf16 gradients reach the update rule as views of one fp32 buffer.
+    # Joined here on the CPU (two ranks), training gives the same parameters bit for bit as
+    # the casts made one by one, the CPU's default: DDP joins its forward's copies (one
+    # foreach copy) and its optimizer has nothing to cast; ZeRO-1/2 join a batch's gradients.
+    for per_rank in run_distributed(_bf16_steps, 2):
+        for name, runs in per_rank.items():
+            (alone, alone_params), (joined, joined_params) = runs[False], runs[True]
+            assert joined > alone, (name, alone, joined)  # the fused CPU kernel copies too
+            assert all(torch.equal(a, b) for a, b in zip(alone_params, joined_params)), name

@@ -20,6 +20,11 @@ import torch
 from torch import Tensor
 
 
+def joins_by_default(device: torch.device) -> bool:
+    """Whether ``cast_all`` casts a list on ``device`` together unless told: off the CPU."""
+    return device.type != "cpu"
+
+
 @torch.no_grad()
 def cast_all(
     tensors: Sequence[Tensor], dtype: torch.dtype, together: Optional[bool] = None
@@ -35,7 +40,7 @@ def cast_all(
         return out
     device = out[todo[0]].device
     if together is None:
-        together = device.type != "cpu"
+        together = joins_by_default(device)
     joint = [i for i in todo if together and out[i].device == device and _flat(out[i])]
     if len(joint) < 2:
         joint = []
