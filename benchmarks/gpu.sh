@@ -4,8 +4,10 @@
 #      2 ranks sharing the GPU through gloo; and no host synchronisation inside a training step;
 #   2. single-GPU throughput of GPT-2 124M in bf16, every strategy vs plain PyTorch and FSDP2,
 #      MFU printed;
-#   3. a timeline of FSDP training steps on the GPU (out/gpu/trace/fsdp.png and .trace.json):
-#      a compute lane and one lane per CUDA stream a collective was issued on.
+#   3. timelines of FSDP training steps on the GPU (out/gpu/trace/*.png and .trace.json): a
+#      compute lane and one lane per CUDA stream a collective was issued on; one rank (fsdp.*:
+#      collectives are the identity there) and 2 ranks sharing the GPU through gloo
+#      (fsdp_2ranks.*: the all-gathers and reductions on their side streams).
 # Extra arguments go to benchmarks/gpu_throughput.py (e.g. --batch_size 4 --peak_tflops 312).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -15,3 +17,4 @@ python -m pytest -q -m cuda  # tests/test_cuda.py and the CUDA cases of tests/te
 torchrun --standalone --nproc_per_node=1 benchmarks/gpu_throughput.py "$@"
 torchrun --standalone --nproc_per_node=1 example/fsdp/train.py --model gpt2_mini --precision bf16 \
     --steps 6 --batch_size 8 --seq_len 256 --log_every 2 --trace out/gpu/trace
+torchrun --standalone --nproc_per_node=2 benchmarks/gpu_trace.py --out out/gpu/trace

@@ -11,6 +11,7 @@ read from a token file (``corpus_bin``). A launch's stdout and stderr go to one 
 ``> log 2>&1`` or a job scheduler: the log holds whole step lines and no progress-bar frames.
 """
 
+import json
 import os
 import re
 import runpy
@@ -222,3 +223,24 @@ def test_the_gpu_throughput_benchmark_runs_every_strategy_on_the_cpu() -> None:
         assert int(ops.replace(",", "")) > 100, (name, rows[name])  # a step's ops, counted
         assert float(vs_torch) > 0 and float(vs_fsdp2) > 0, (name, rows[name])
     assert rows["torch"][5] == "1.000" and rows["torch_fsdp2"][6] == "1.000"
+
+
+def test_the_two_rank_gpu_trace_writes_each_rank_s_compute_and_collectives(tmp_path) -> None:
+    """``benchmarks/gpu_trace.py --device cpu``: the GPU check's 2-rank FSDP timeline (ranks
+    sharing one GPU through gloo on CUDA; here on the CPU), a compute lane per rank and its
+    collectives, all-gathers and reductions, in communication lanes."""
+    script = os.path.join(ROOT, "benchmarks", "gpu_trace.py")
+    args = ["--device", "cpu", "--model", "gpt2_tiny", "--batch_size", "2", "--seq_len", "16"]
+    cmd = [*_torchrun(2), script, *args, "--steps", "2", "--out", str(tmp_path)]
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=ROOT)
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=180)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    with open(tmp_path / "fsdp_2ranks.trace.json") as f:
+        events = json.load(f)["traceEvents"]
+    for rank in (0, 1):
+        lanes = {
+            e["args"]["name"] for e in events if e.get("name") == "thread_name" and e["pid"] == rank
+        }
+        kinds = {e["args"]["kind"] for e in events if e.get("cat") == "comm" and e["pid"] == rank}
+        assert "compute" in lanes and any(lane.startswith("comm ") for lane in lanes), lanes
+        assert "all_gather" in kinds and kinds & {"reduce_scatter", "all_reduce"}, kinds
