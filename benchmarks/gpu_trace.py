@@ -12,14 +12,15 @@ of this script (no streams there).
 """
 
 import argparse
+import contextlib
 import os
 import sys
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from benchmarks.gpu_throughput import step  # noqa: E402
 from example.model import GPT2Model, GPTConfigs  # noqa: E402
 from tiny_fsdp.core.fsdp import FSDP, FSDPAdamW  # noqa: E402
 from tiny_fsdp.core.precision import MixedPrecisionPolicy  # noqa: E402
@@ -46,14 +47,11 @@ def main() -> None:
     optimizer = FSDPAdamW(model.named_parameters(), lr=3e-4)
     tracer = StepTracer(args.out, "fsdp_2ranks", [args.steps - 1], model, optimizer, rank)
     g = torch.Generator().manual_seed(rank)
-    for step in range(args.steps):
+    for i in range(args.steps):
         x = torch.randint(0, config.vocab_size, (args.batch_size, args.seq_len), generator=g)
         x, y = x.to(device), torch.roll(x, -1, 1).to(device)
-        tracer.start(step)
-        logits = model(x)
-        F.cross_entropy(logits.float().view(-1, logits.size(-1)), y.view(-1)).backward()
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
+        tracer.start(i)
+        step(model, optimizer, contextlib.nullcontext(), x, y)
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         tracer.stop()

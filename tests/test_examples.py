@@ -200,24 +200,31 @@ def test_fsdp_hsdp_across_two_torchrun_nodes_of_two_ranks(common, single_device_
         assert abs(ours - ref) <= LOSS_ATOL, (losses, single_device_losses)
 
 
+def _gpu_check_script(name: str, nproc: int, *extra: str) -> str:
+    """stdout of ``benchmarks/<name>`` on ``nproc`` CPU ranks with a tiny GPT-2 (the GPU
+    check's scripts take ``--device cpu`` as a smoke test), checked to exit cleanly."""
+    script = os.path.join(ROOT, "benchmarks", name)
+    args = ["--device", "cpu", "--model", "gpt2_tiny", "--batch_size", "2", "--seq_len", "16"]
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=ROOT)
+    cmd = [*_torchrun(nproc), script, *args, *extra]
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=180)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    return proc.stdout
+
+
 def test_the_gpu_throughput_benchmark_runs_every_strategy_on_the_cpu() -> None:
     """``benchmarks/gpu_throughput.py --device cpu``: the GPU check's benchmark, its table a row
     per strategy with tokens/s, the host ops of a step and both ratios (its GPU run is
     ``benchmarks/gpu.sh``)."""
-    script = os.path.join(ROOT, "benchmarks", "gpu_throughput.py")
-    args = ["--device", "cpu", "--model", "gpt2_tiny", "--batch_size", "2", "--seq_len", "16"]
-    cmd = [*_torchrun(1), script, *args, "--steps", "2", "--warmup", "1"]
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=ROOT)
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=180)
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    stdout = _gpu_check_script("gpu_throughput.py", 1, "--steps", "2", "--warmup", "1")
     rows = {
         cells[0]: cells[1:]
-        for line in proc.stdout.splitlines()
+        for line in stdout.splitlines()
         if line.startswith("| ") and not line.startswith("| strategy")
         for cells in [[c.strip() for c in line.strip("|").split("|")]]
     }
     names = ["torch", "torch_fsdp2", "single_device", "ddp", "zero1", "zero2", "zero3", "fsdp"]
-    assert list(rows) == names, proc.stdout
+    assert list(rows) == names, stdout
     for name, (ms, tokens, _, _, ops, vs_torch, vs_fsdp2) in rows.items():
         assert float(ms) > 0 and float(tokens.replace(",", "")) > 0, (name, rows[name])
         assert int(ops.replace(",", "")) > 100, (name, rows[name])  # a step's ops, counted
@@ -229,12 +236,7 @@ def test_the_two_rank_gpu_trace_writes_each_rank_s_compute_and_collectives(tmp_p
     """``benchmarks/gpu_trace.py --device cpu``: the GPU check's 2-rank FSDP timeline (ranks
     sharing one GPU through gloo on CUDA; here on the CPU), a compute lane per rank and its
     collectives, all-gathers and reductions, in communication lanes."""
-    script = os.path.join(ROOT, "benchmarks", "gpu_trace.py")
-    args = ["--device", "cpu", "--model", "gpt2_tiny", "--batch_size", "2", "--seq_len", "16"]
-    cmd = [*_torchrun(2), script, *args, "--steps", "2", "--out", str(tmp_path)]
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=ROOT)
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=180)
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    _gpu_check_script("gpu_trace.py", 2, "--steps", "2", "--out", str(tmp_path))
     with open(tmp_path / "fsdp_2ranks.trace.json") as f:
         events = json.load(f)["traceEvents"]
     for rank in (0, 1):

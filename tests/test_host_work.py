@@ -404,6 +404,10 @@ def test_a_list_cast_together_is_to_s_casts_in_one_storage() -> None:
     # multi-tensor copy. A tensor already of the dtype is returned as is; one that is not
     # contiguous is cast alone and keeps its strides, as .to keeps them, and so is a sparse one.
     # On the CPU (default) every tensor is cast alone.
+    from unittest import mock
+
+    from tiny_fsdp.core.utils import casts
+
     gen = torch.Generator().manual_seed(0)
     shapes = [(3, 5), (7,), (2, 3, 4), (1,)]
     for source, target in ((torch.float32, torch.bfloat16), (torch.bfloat16, torch.float32)):
@@ -411,16 +415,17 @@ def test_a_list_cast_together_is_to_s_casts_in_one_storage() -> None:
         tensors.append(torch.randn(4, 6, generator=gen).to(source).t())
         tensors.append(torch.randn(4, 6, generator=gen).to(source).to_sparse())
         tensors.append(torch.randn(5, generator=gen).to(target))
-        casts = cast_all(tensors, target, together=True)
-        for tensor, cast in zip(tensors[:-2], casts[:-2]):
+        with mock.patch.object(casts, "joins_by_default", lambda device: True):
+            joined = cast_all(tensors, target)
+        for tensor, cast in zip(tensors[:-2], joined[:-2]):
             expected = tensor.to(target)
             assert torch.equal(cast, expected) and cast.stride() == expected.stride()
-        sparse = casts[-2]
+        sparse = joined[-2]
         assert sparse.dtype == target
         assert torch.equal(sparse.to_dense(), tensors[-2].to_dense().to(target))
-        assert casts[-1] is tensors[-1]
-        together = {c.untyped_storage().data_ptr() for c in casts[: len(shapes)]}
-        assert len(together) == 1 and casts[-3].untyped_storage().data_ptr() not in together
+        assert joined[-1] is tensors[-1]
+        together = {c.untyped_storage().data_ptr() for c in joined[: len(shapes)]}
+        assert len(together) == 1 and joined[-3].untyped_storage().data_ptr() not in together
         alone = {c.untyped_storage().data_ptr() for c in cast_all(tensors[:4], target)}
         assert len(alone) == len(shapes)
 

@@ -14,34 +14,30 @@ costs page faults ([Note: huge pages for transient buffers]), and for tensors th
 contiguous (``.to`` keeps their strides) or not strided (sparse), each tensor is cast alone.
 """
 
-from typing import List, Optional, Sequence
+from typing import List, Sequence
 
 import torch
 from torch import Tensor
 
 
 def joins_by_default(device: torch.device) -> bool:
-    """Whether ``cast_all`` casts a list on ``device`` together unless told: off the CPU."""
+    """Whether ``cast_all`` casts a list on ``device`` together: off the CPU."""
     return device.type != "cpu"
 
 
 @torch.no_grad()
-def cast_all(
-    tensors: Sequence[Tensor], dtype: torch.dtype, together: Optional[bool] = None
-) -> List[Tensor]:
+def cast_all(tensors: Sequence[Tensor], dtype: torch.dtype) -> List[Tensor]:
     """``[t.to(dtype) for t in tensors]`` with the same values (a tensor already of ``dtype``
-    is returned as is), in one multi-tensor copy on an accelerator ([Note: casts in one
-    launch]). ``together``: None (default) decides by device as the note says, True copies
-    together on any device (where the tensors allow it), False casts one by one. No autograd:
-    for parameters' data and gradients."""
+    is returned as is), in one multi-tensor copy where ``joins_by_default`` says so ([Note:
+    casts in one launch]). No autograd: for parameters' data and gradients."""
     out = list(tensors)
     todo = [i for i, t in enumerate(out) if t.dtype != dtype]
     if not todo:
         return out
     device = out[todo[0]].device
-    if together is None:
-        together = joins_by_default(device)
-    joint = [i for i in todo if together and out[i].device == device and _flat(out[i])]
+    joint = []
+    if joins_by_default(device):
+        joint = [i for i in todo if out[i].device == device and _flat(out[i])]
     if len(joint) < 2:
         joint = []
     for i in set(todo).difference(joint):
