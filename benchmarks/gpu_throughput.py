@@ -45,7 +45,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--batch_size", type=int, default=8)
     p.add_argument("--seq_len", type=int, default=1024)
     p.add_argument("--warmup", type=int, default=3)
-    p.add_argument("--steps", type=int, default=10)
+    p.add_argument("--steps", type=int, default=30, help="rounds timed (each steps every one)")
     p.add_argument("--peak_tflops", type=float, default=989.0, help="dense bf16 peak of the GPU")
     p.add_argument("--only", default="", help="comma-separated subset")
     p.add_argument("--device", default="cuda", help="cpu: a smoke test of this script only")
@@ -141,16 +141,14 @@ def main() -> None:
                     transient[name] = max(transient[name], peak)
     ops = {name: host_ops(lambda: step(*runs[name][:3], x, y)) for name in names}
     ratios = {
-        base: {
-            name: statistics.median(b / t for t, b in zip(times[name], times[base]))
-            for name in names
-        }
+        base: {name: _spread([b / t for t, b in zip(times[name], times[base])]) for name in names}
         for base in ("torch", "torch_fsdp2")
         if base in names
     }
     print(
         f"\n{args.model} bf16, batch {args.batch_size} x {args.seq_len}, 1 {env.device.type}, "
-        f"{args.steps} rounds (median; 'vs': median of per-round tokens/s ratios)"
+        f"{args.steps} rounds (median; 'vs': median of per-round tokens/s ratios, in brackets "
+        "their middle half, from the first quartile to the third)"
     )
     print("| strategy | ms/step | tokens/s | MFU | peak GiB | host ops | vs torch | vs FSDP2 |")
     print("|---|---|---|---|---|---|---|---|")
@@ -159,9 +157,19 @@ def main() -> None:
         tokens = args.batch_size * args.seq_len / (ms / 1e3)
         mfu = tokens * flops_per_token / (args.peak_tflops * 1e12)
         peak = (runs[name][3] + transient[name]) / 2**30
-        vs = [f"{ratios[b][name]:.3f}" if b in ratios else "-" for b in ("torch", "torch_fsdp2")]
+        vs = [ratios[b][name] if b in ratios else "-" for b in ("torch", "torch_fsdp2")]
         row = f"| {name} | {ms:.1f} | {tokens:,.0f} | {mfu:.1%} | {peak:.2f} | {ops[name]:,} |"
         print(f"{row} {vs[0]} | {vs[1]} |")
+
+
+def _spread(ratios: list) -> str:
+    """``"median (q1-q3)"`` of per-round ratios: the brackets tell a gap from the machine's
+    noise (one GPU's plain PyTorch step moved between 30 and 36 ms within minutes)."""
+    median = f"{statistics.median(ratios):.3f}"
+    if len(ratios) < 2:
+        return median
+    q1, _, q3 = statistics.quantiles(ratios, n=4, method="inclusive")
+    return f"{median} ({q1:.2f}-{q3:.2f})"
 
 
 if __name__ == "__main__":

@@ -228,8 +228,11 @@ def test_the_gpu_throughput_benchmark_runs_every_strategy_on_the_cpu() -> None:
     for name, (ms, tokens, _, _, ops, vs_torch, vs_fsdp2) in rows.items():
         assert float(ms) > 0 and float(tokens.replace(",", "")) > 0, (name, rows[name])
         assert int(ops.replace(",", "")) > 100, (name, rows[name])  # a step's ops, counted
-        assert float(vs_torch) > 0 and float(vs_fsdp2) > 0, (name, rows[name])
-    assert rows["torch"][5] == "1.000" and rows["torch_fsdp2"][6] == "1.000"
+        for vs in (vs_torch, vs_fsdp2):  # "median (first quartile-third quartile)"
+            median, spread = vs.split(" ")
+            low, high = (float(q) for q in spread.strip("()").split("-"))
+            assert 0 < low <= high and low - 0.005 <= float(median) <= high + 0.005, (name, vs)
+    assert rows["torch"][5] == "1.000 (1.00-1.00)" and rows["torch_fsdp2"][6].startswith("1.000 ")
 
 
 def test_the_two_rank_gpu_trace_writes_each_rank_s_compute_and_collectives(tmp_path) -> None:

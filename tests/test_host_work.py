@@ -249,7 +249,8 @@ def _view_ops(rank: int, world_size: int) -> Dict[str, Tuple[int, int]]:
 def test_a_backward_places_each_gradient_with_at_most_one_view_op() -> None:
     # Where each parameter's gradient goes is a view of a bucket: DDP's and ZeRO-1's buckets
     # are kept, so their views are made once; ZeRO-2's staging buffer is new each backward,
-    # so each slot is one as_strided. Beyond that, a few view ops per bucket (its chunk of
+    # so each slot is one as_strided, except on one rank, where it stages into its shard
+    # through views made once. Beyond that, a few view ops per bucket (its chunk of
     # this rank), fewer than half the parameters of gpt2_tiny. A slice and a reshape per slot,
     # and for ZeRO-1 such a pair per look at the slot (several a parameter: 62 ops for 28
     # parameters, ZeRO-2 59), were host work for every parameter in every step: about 3.6 us
@@ -257,7 +258,7 @@ def test_a_backward_places_each_gradient_with_at_most_one_view_op() -> None:
     for world_size in (1, 2):
         for per_rank in run_distributed(_view_ops, world_size):
             for name, (params, extra) in per_rank.items():
-                per_param = 1 if name == "zero2" else 0
+                per_param = 1 if name == "zero2" and world_size > 1 else 0
                 assert extra <= per_param * params + params // 2, (world_size, name, extra)
 
 

@@ -161,7 +161,8 @@ class PendingReductions:
         self._device = inputs[0].device
         while len(self._in_flight) >= self.in_flight_limit:
             self._retire(self._in_flight.popleft())
-        outputs = _storages([t for _, t in parts])
+        # Every part is a view of ``output`` when there is one: one storage to look up.
+        outputs = _storages([output] if parts and output is not None else [t for _, t in parts])
         reduction = _Reduction(
             handle=self.streams.issue(REDUCE, launch, async_op),
             inputs=tuple(inputs),

@@ -12,8 +12,9 @@ One rank's step, with the defaults of ``DDP``, ``Zero1/2``, ``Zero3`` and ``FSDP
   the first, and so does ZeRO-1 on 2 gloo ranks, whose reductions in place receive into a
   buffer of a chunk each; the optimizer updates ``1 / N`` of the parameters, then each bucket
   is all-gathered (gloo: ``N`` broadcasts). ZeRO-2's staging buffers (the bucket being reduced
-  and the one filling; a bucket of one unpadded tensor stages in its gradient) and ZeRO-1's
-  receive buffers (two consecutive buckets' chunks) are transient memory.
+  and the one filling; a bucket of one unpadded tensor stages in its gradient; none on one
+  rank, which stages into its shard) and ZeRO-1's receive buffers (two consecutive buckets'
+  chunks) are transient memory.
 - ZeRO-3 and FSDP (``unit="auto"``: the blocks, and a root unit with the other layers): the
   root unit is unsharded at the start and kept until the end of backward (full through the
   forward, and the first unit of the backward); each block is unsharded before its forward
@@ -246,8 +247,8 @@ def _bucketed(s: StepSetup, zero_stage: int) -> StepPlan:
                 gathers.append(tl.add("comm", seconds))
         tl.wait(gathers)
     transient = 0
-    if zero_stage == 2:  # staging: the bucket reduced and the one filling, except a bucket
-        # of one unpadded tensor, which stages in its own gradient
+    if zero_stage == 2 and n > 1:  # staging: the bucket reduced and the one filling, except a
+        # bucket of one unpadded tensor, which stages in its own gradient (one rank: the shard)
         staged = [b for m, b in zip(members, buckets) if s.costs.tensors[m[0]] != b]
         transient = sum(sorted(staged)[-2:]) * s.param_bytes
     if zero_stage == 1 and pairs:  # a chunk received apart for the launched reduction and the

@@ -209,6 +209,8 @@ class AllReduceBuckets:
         self.bucket_members += [[index] for index in self.sparse_indices]
         self._where += [(len(self.buckets) + k, 0) for k in range(len(self.sparse))]
         self._master_dtype = [p.dtype for p in self.params]  # fp32 also while a ParamCast acts
+        # The slot is already the gradient (``add`` made it so): ``finish`` has nothing to do.
+        self._settled = [False] * len(self.params)
         self._cast = cast
         self._set_grad = _assign_grad if cast is None else cast.set_grad
 
@@ -256,10 +258,14 @@ class AllReduceBuckets:
             self._sparse(self._where[index][0]).add_grad(grad)
             return
         bucket, slot, slot_is_grad = self._slot(index)
-        if bucket.add_grad(slot, grad) or grad is None:
+        if bucket.add_grad(slot, grad):
+            self._settled[index] = True
+            return
+        if grad is None:
             return
         if slot_is_grad:
             self._set_grad(param, bucket.views[slot])  # from now on the slot is the gradient
+            self._settled[index] = True
         elif grad.dtype != self._master_dtype[index]:
             self._set_grad(param, None)  # a low-precision copy: the average comes at finish
 
@@ -280,15 +286,17 @@ class AllReduceBuckets:
             return
         have = self.buckets[bucket].finish()
         members = self.bucket_members[bucket]  # slot k is parameter members[k]
+        # Left: a slot holding an average (some rank had a gradient) that is not .grad yet.
+        left = [index for index, has in zip(members, have) if has and not self._settled[index]]
+        if not left:
+            return  # the common case: every slot became its parameter's gradient in add
         master = self._master_dtype[members[0]]  # one dtype per bucket
         cast = None  # every average becomes a new .grad of the master's dtype: cast at once
-        fresh = all(not has or self.params[i].grad is None for i, has in zip(members, have))
+        fresh = all(self.params[i].grad is None for i in left)
         if fresh and self.buckets[bucket].buffer.dtype != master:
             cast = self.buckets[bucket].views_as(master)
-        for index in members:
+        for index in left:
             bucket_, slot, slot_is_grad = self._slot(index)
-            if not have[slot]:
-                continue  # no rank had a gradient: .grad stays None, as on one device
             param, view = self.params[index], bucket_.views[slot]
             if slot_is_grad:
                 if not bucket_.is_slot(slot, param.grad):
@@ -303,6 +311,7 @@ class AllReduceBuckets:
             self._cast.to_master()
 
     def reset(self) -> None:
+        self._settled = [False] * len(self.params)
         for bucket in [*self.buckets, *self.sparse]:
             bucket.reset()
         if self._cast is not None:  # a failed backward: drop its gradients, keep the masters

@@ -22,8 +22,10 @@ flat layout ([Note: ZeRO flat layout]) and differ only in the store they plug in
   unfinished while the next bucket fills. A bucket that is one parameter and
   needs no padding (a large embedding has a bucket of its own) stages in the gradient itself,
   divided in place: no buffer and no copy (on gpt2_mini's 51 MB ``wte`` a fresh buffer cost
-  about 40 ms a step on CPU, in page faults). Inside ``no_sync()`` the full local ``param.grad``
-  is kept.
+  about 40 ms a step on CPU, in page faults). On one rank the shard is every bucket whole and
+  the reduction the identity, so gradients stage straight into the shard (views made once, as
+  ZeRO-1's): no staging buffer, and no copy from one into the shard. Inside ``no_sync()`` the
+  full local ``param.grad`` is kept.
 
 Both stores give the optimizer the reduced gradient of each owned piece (``reduced_grad``) and
 clear gradients for it (``zero_grad``).
@@ -358,7 +360,8 @@ class FullGradBuffer(ZeroGradStore):
 
 class StagedGradShard(ZeroGradStore):
     """ZeRO-2: ``shard`` (a ``ShardBuffer``) holds this rank's reduced gradients; full
-    gradients pass through one staging buffer (bucket numel,) per bucket being reduced."""
+    gradients pass through one staging buffer (bucket numel,) per bucket being reduced (on one
+    rank, straight into the shard)."""
 
     stage = 2
     reduces_eagerly = True  # reducing during backward is what frees the full gradients
@@ -367,6 +370,15 @@ class StagedGradShard(ZeroGradStore):
     def __init__(self, *args: Any) -> None:  # ZeroGradStore's arguments
         super().__init__(*args)
         self.shard = ShardBuffer(self.layout, self.dtypes, self.device)
+        # One rank: its chunk of a bucket is the whole bucket, laid out as the bucket, and the
+        # reduction is the identity. So gradients stage straight into the shard, through views
+        # made once: no staging buffer, no copy out of it ([Note: ZeRO gradient stores]).
+        self._in_shard: Optional[List[torch.Tensor]] = None
+        if self.world_size == 1:
+            self._in_shard = [
+                self.shard.chunk(slot.bucket).as_strided(*self.layout.in_bucket(slot.index))
+                for slot in self.layout.slots
+            ]
         self._staging: List[Optional[torch.Tensor]] = [None] * len(self.layout.buckets)
         self._allocated = [0] * len(self.layout.buckets)  # bytes allocated for a staging buffer
         self.stats = ReduceStats()  # allocated staging buffers (gradients excluded): live, peak
@@ -376,10 +388,18 @@ class StagedGradShard(ZeroGradStore):
 
     def _stage(self, index: int, param: nn.Parameter) -> None:
         """``param.grad / N`` into the bucket's staging buffer; drop ``param.grad``."""
+        grad = param.grad
+        if self._in_shard is not None:
+            out = self._in_shard[index]
+            if grad is None:
+                out.zero_()
+            else:
+                divide_into(out, grad, self.world_size, in_place=False)
+            param.grad = None
+            return
         slot = self.layout.slots[index]
         bucket = self.layout.buckets[slot.bucket]
         staging = self._staging[slot.bucket]
-        grad = param.grad
         if staging is None and grad is not None and self._is_whole_bucket(slot, bucket, grad):
             self._staging[slot.bucket] = grad.view(-1)
             divide_into(grad, grad, self.world_size, in_place=True)
@@ -430,6 +450,8 @@ class StagedGradShard(ZeroGradStore):
         return [*self.shard.held(), *(self._carry or [])]  # no param.grad points to them
 
     def _source(self, bucket: int) -> torch.Tensor:
+        if self._in_shard is not None:
+            return self.shard.chunk(bucket)  # reduced in place: the identity
         staging = self._staging[bucket]
         assert staging is not None, "every parameter of a bucket is added before its launch"
         return staging
