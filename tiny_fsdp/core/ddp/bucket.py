@@ -141,19 +141,21 @@ class GradBucket:
         """The launched all-reduce has completed (never blocks)."""
         return self._work is None or self._work.is_completed()
 
-    def finish(self) -> List[bool]:
+    def finish(self) -> Tuple[List[bool], List[bool]]:
         """Wait for the all-reduce and reset the bucket. Returns, per slot, whether it holds a
-        gradient: the average, if some rank had one (else its zeros are no gradient)."""
+        gradient (the average, if some rank had one; else its zeros are no gradient) and
+        whether this rank added one."""
         assert self.launched, "finish a bucket only after launching it"
         if self._work is not None:
             self._work.wait()
-        have = list(self._has_grad)
-        if not all(have):
+        mine = list(self._has_grad)
+        have = mine
+        if not all(mine):
             # No local gradient: some other rank may have had one. Reading the flags syncs a
             # GPU with the host, so do it only on this rare path.
-            have = [mine or flag > 0 for mine, flag in zip(have, self.flags.tolist())]
+            have = [own or flag > 0 for own, flag in zip(mine, self.flags.tolist())]
         self.reset()
-        return have
+        return have, mine
 
     def reset(self) -> None:
         """Forget this backward's progress (also used to drop the state of a failed backward)."""
@@ -209,8 +211,6 @@ class AllReduceBuckets:
         self.bucket_members += [[index] for index in self.sparse_indices]
         self._where += [(len(self.buckets) + k, 0) for k in range(len(self.sparse))]
         self._master_dtype = [p.dtype for p in self.params]  # fp32 also while a ParamCast acts
-        # The slot is already the gradient (``add`` made it so): ``finish`` has nothing to do.
-        self._settled = [False] * len(self.params)
         self._cast = cast
         self._set_grad = _assign_grad if cast is None else cast.set_grad
 
@@ -258,14 +258,10 @@ class AllReduceBuckets:
             self._sparse(self._where[index][0]).add_grad(grad)
             return
         bucket, slot, slot_is_grad = self._slot(index)
-        if bucket.add_grad(slot, grad):
-            self._settled[index] = True
-            return
-        if grad is None:
+        if bucket.add_grad(slot, grad) or grad is None:
             return
         if slot_is_grad:
             self._set_grad(param, bucket.views[slot])  # from now on the slot is the gradient
-            self._settled[index] = True
         elif grad.dtype != self._master_dtype[index]:
             self._set_grad(param, None)  # a low-precision copy: the average comes at finish
 
@@ -284,13 +280,15 @@ class AllReduceBuckets:
             if average is not None:  # else no rank had a gradient: .grad stays None
                 self._set_grad(self.params[index], average.to(self._master_dtype[index]))
             return
-        have = self.buckets[bucket].finish()
+        have, mine = self.buckets[bucket].finish()
         members = self.bucket_members[bucket]  # slot k is parameter members[k]
-        # Left: a slot holding an average (some rank had a gradient) that is not .grad yet.
-        left = [index for index, has in zip(members, have) if has and not self._settled[index]]
+        in_place = self._slot(members[0])[2]  # one dtype per bucket: its slots can be .grad
+        # A slot this rank added to is its parameter's .grad since add, where a slot can be one:
+        # left are the averages (some rank had a gradient) that are not .grad yet.
+        left = [i for i, h, m in zip(members, have, mine) if h and not (m and in_place)]
         if not left:
             return  # the common case: every slot became its parameter's gradient in add
-        master = self._master_dtype[members[0]]  # one dtype per bucket
+        master = self._master_dtype[members[0]]
         cast = None  # every average becomes a new .grad of the master's dtype: cast at once
         fresh = all(self.params[i].grad is None for i in left)
         if fresh and self.buckets[bucket].buffer.dtype != master:
@@ -311,7 +309,6 @@ class AllReduceBuckets:
             self._cast.to_master()
 
     def reset(self) -> None:
-        self._settled = [False] * len(self.params)
         for bucket in [*self.buckets, *self.sparse]:
             bucket.reset()
         if self._cast is not None:  # a failed backward: drop its gradients, keep the masters

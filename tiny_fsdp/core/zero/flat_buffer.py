@@ -171,6 +171,11 @@ class FlatLayout:
         """``as_strided`` arguments of parameter ``index``'s slot in a (bucket numel,) tensor."""
         return self._in_bucket[index]
 
+    def slot_views(self, buckets: Sequence[torch.Tensor]) -> List[torch.Tensor]:
+        """Every parameter's slot, shaped like it, in ``buckets`` (one (bucket numel,) tensor
+        per bucket); made once by their owner, as a view per slot is host work per call."""
+        return [buckets[s.bucket].as_strided(*self.in_bucket(s.index)) for s in self.slots]
+
     def chunk_range(self, bucket: int, rank: int) -> Tuple[int, int]:
         """Flat ``[start, stop)`` of ``rank``'s chunk of ``bucket``."""
         b = self.buckets[bucket]
@@ -239,9 +244,7 @@ class FlatBuffer:
         self.tensors = [
             torch.zeros(b.numel, dtype=dtypes[b.group], device=device) for b in layout.buckets
         ]
-        self._views = [  # made once, not at each call
-            self.tensors[s.bucket].as_strided(*layout.in_bucket(s.index)) for s in layout.slots
-        ]
+        self._views = layout.slot_views(self.tensors)  # made once, not at each call
 
     def view(self, index: int) -> torch.Tensor:
         """Parameter ``index``'s slot, shaped like the parameter (the same tensor each call)."""

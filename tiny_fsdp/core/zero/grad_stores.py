@@ -375,10 +375,8 @@ class StagedGradShard(ZeroGradStore):
         # made once: no staging buffer, no copy out of it ([Note: ZeRO gradient stores]).
         self._in_shard: Optional[List[torch.Tensor]] = None
         if self.world_size == 1:
-            self._in_shard = [
-                self.shard.chunk(slot.bucket).as_strided(*self.layout.in_bucket(slot.index))
-                for slot in self.layout.slots
-            ]
+            chunks = [self.shard.chunk(b) for b in range(len(self.layout.buckets))]
+            self._in_shard = self.layout.slot_views(chunks)
         self._staging: List[Optional[torch.Tensor]] = [None] * len(self.layout.buckets)
         self._allocated = [0] * len(self.layout.buckets)  # bytes allocated for a staging buffer
         self.stats = ReduceStats()  # allocated staging buffers (gradients excluded): live, peak
@@ -390,21 +388,26 @@ class StagedGradShard(ZeroGradStore):
         """``param.grad / N`` into the bucket's staging buffer; drop ``param.grad``."""
         grad = param.grad
         if self._in_shard is not None:
-            out = self._in_shard[index]
+            out: Optional[torch.Tensor] = self._in_shard[index]
+        else:
+            out = self._staging_slot(index, grad)
+        if out is not None:  # None: the gradient is its bucket's staging buffer, divided
             if grad is None:
                 out.zero_()
             else:
                 divide_into(out, grad, self.world_size, in_place=False)
-            param.grad = None
-            return
+        param.grad = None
+
+    def _staging_slot(self, index: int, grad: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+        """Parameter ``index``'s slot in its bucket's staging buffer, allocated by the bucket's
+        first gradient; None where ``grad`` becomes the staging buffer itself."""
         slot = self.layout.slots[index]
         bucket = self.layout.buckets[slot.bucket]
         staging = self._staging[slot.bucket]
         if staging is None and grad is not None and self._is_whole_bucket(slot, bucket, grad):
             self._staging[slot.bucket] = grad.view(-1)
             divide_into(grad, grad, self.world_size, in_place=True)
-            param.grad = None
-            return
+            return None
         if staging is None:
             staging = torch.empty(bucket.numel, dtype=self.dtypes[bucket.group], device=self.device)
             self._allocated[slot.bucket] = staging.numel() * staging.element_size()
@@ -412,12 +415,7 @@ class StagedGradShard(ZeroGradStore):
             end = self.layout.slots[bucket.slots[-1]]
             staging[end.start + end.numel - bucket.start :].zero_()  # the padding
             self._staging[slot.bucket] = staging
-        out = staging.as_strided(*self.layout.in_bucket(index))
-        if grad is None:
-            out.zero_()
-        else:
-            divide_into(out, grad, self.world_size, in_place=False)
-        param.grad = None
+        return staging.as_strided(*self.layout.in_bucket(index))
 
     def _is_whole_bucket(self, slot: Slot, bucket: Bucket, grad: torch.Tensor) -> bool:
         """The gradient can be the bucket's staging buffer: the bucket's only parameter, no
