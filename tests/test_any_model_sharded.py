@@ -5,10 +5,11 @@ per-rank batches: losses every step, every parameter and buffer at the end. Mode
 (own transposed linear and RMSNorm, rotary buffers, raw and 0-d parameters, BatchNorm, a module
 called twice, a tied head read by the parent, a dataclass output), a model whose parent reads a
 child's 0-d parameter (and torch's ``nn.MultiheadAttention``, which reads two of its child's
-parameters in one op), a student with a frozen teacher run under no_grad (after every backward
-no unit may stay full), weights computed by ``weight_norm`` / ``parametrizations``, recurrent
-layers (``nn.LSTM``, ``nn.GRU``), a mixture of experts whose ranks run different experts, and
-tiny GPT-2 / Llama / BERT from ``transformers`` (if installed).
+parameters in one op), blocks sharing a norm module and a weight, a student with a frozen
+teacher run under no_grad (after every backward no unit may stay full), weights computed by
+``weight_norm`` / ``parametrizations``, recurrent layers (``nn.LSTM``, ``nn.GRU``), a mixture
+of experts whose ranks run different experts, and tiny GPT-2 / Llama / BERT from
+``transformers`` (if installed).
 Cases are combined into few distributed calls to keep CI time small.
 """
 
@@ -25,7 +26,7 @@ from torch import nn
 from tests.harness import run_distributed
 from tests.parity import assert_trains_alike, global_batch, local_slice
 from tests.zoo import VOCAB, WIDTH, OwnRMSNorm, PrefixToken, RecurrentLM, Rotary, TransposedLinear
-from tests.zoo import ZooLM
+from tests.zoo import SharedBlocksLM, ZooLM
 from tests.zoo import hf_models, zoo_loss
 
 STEPS, SEQ_LEN = 3, 6
@@ -148,6 +149,7 @@ def _models(names: List[str]) -> Dict[str, Tuple[Build, Loss, Callable[[nn.Modul
         "distill": (DistillLM, _zoo_loss, lambda m: [*m.student, *m.teacher]),
         "parametrized": (ParametrizedLM, _zoo_loss, lambda m: [m.conv, m.mix]),
         "rnn": (RecurrentLM, _zoo_loss, lambda m: [m.lstm, m.gru]),
+        "shared": (SharedBlocksLM, _zoo_loss, lambda m: "auto"),  # listing blocks would refuse
     }
     if any(n in ("gpt2", "llama", "bert") for n in names):
         blocks = {
@@ -243,9 +245,9 @@ def _parity_worker(rank: int, world_size: int, names: List[str]) -> List[Tuple[s
 
 @pytest.mark.parametrize("world_size", [2, 3])
 def test_models_as_written_train_like_torch_ddp(world_size):
-    names = ["zoo", "reader", "distill", "parametrized", "rnn"]
+    names = ["zoo", "reader", "distill", "parametrized", "rnn", "shared"]
     results = run_distributed(_parity_worker, world_size, names)
-    assert len(results[0]) == 5 * 3 * 2  # models x strategies x async, checked on every rank
+    assert len(results[0]) == 6 * 3 * 2  # models x strategies x async, checked on every rank
 
 
 @pytest.mark.parametrize("world_size", [2, 3])

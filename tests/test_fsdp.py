@@ -730,6 +730,36 @@ def test_auto_units_are_the_blocks_of_every_tower() -> None:
     assert [name for name, _ in unit_layers(plain, "auto")] == ["0", "2"]  # no list: per layer
 
 
+def test_auto_units_leave_a_layer_shared_by_blocks_to_the_root() -> None:
+    """A layer module that several blocks hold (ALBERT-style sharing) is in none of their
+    units but in the root; a weight tied across two blocks stays in both; listing two modules
+    that share a layer is refused, saying what to list instead."""
+    from tiny_fsdp.core.module import convert_module
+    from tiny_fsdp.core.unit_layout import unit_layers
+
+    class Block(nn.Module):
+        def __init__(self, norm: nn.Module) -> None:
+            super().__init__()
+            self.norm, self.fc = norm, nn.Linear(4, 4)
+
+    class Shared(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.embed = nn.Embedding(10, 4)
+            norm = nn.LayerNorm(4)
+            self.blocks = nn.ModuleList(Block(norm) for _ in range(3))
+            self.blocks[2].fc.weight = self.blocks[0].fc.weight
+
+    model = convert_module(Shared())
+    units = dict(unit_layers(model, "auto"))
+    norm, blocks = model.blocks[0].norm, model.blocks
+    assert list(units) == ["blocks.0", "blocks.1", "blocks.2", "<root>"]
+    assert [units[f"blocks.{i}"] for i in range(3)] == [[b.fc] for b in blocks]
+    assert units["<root>"] == [model.embed, norm]
+    with pytest.raises(ValueError, match="inside two unit modules.*list neither"):
+        unit_layers(model, list(blocks))
+
+
 def test_unit_layers_groups_listed_modules_and_a_root() -> None:
     from tiny_fsdp.core.unit_layout import unit_layers
     from tiny_fsdp.core.module import convert_module

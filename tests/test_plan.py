@@ -437,6 +437,22 @@ class _AttentionLM(nn.Module):
         return self.head(x + self.proj(y.transpose(1, 2).reshape(b, t, c)))
 
 
+def test_plan_model_lays_units_out_as_the_strategies_do():
+    """The planner's gather units are those ``unit="auto"`` gives FSDP and ZeRO-3, also for
+    blocks that share a layer (in the root unit) and a weight (in each block using it)."""
+    from tests.zoo import SharedBlocksLM
+    from tiny_fsdp.core.module import convert_module
+    from tiny_fsdp.core.unit_layout import unit_layers, unit_params
+    from tiny_fsdp.plan import module_costs
+
+    model = SharedBlocksLM()
+    costs = module_costs(model)
+    planned = sorted(sum(costs.tensors[i] for i in unit) for unit in costs.units)
+    layout = unit_layers(convert_module(copy.deepcopy(model)), "auto")
+    real = sorted(sum(p.numel() for p in unit_params(layers)) for _, layers in layout)
+    assert len(layout) == 4 and planned == real
+
+
 def test_plan_model_counts_attention_as_the_device_s_fused_kernel_keeps_it():
     """[Note: attention on meta]: on meta, scaled_dot_product_attention keeps its (B, H, L, L)
     scores; the kernels real devices pick keep the inputs, output and log-sum-exp. The plan

@@ -123,6 +123,38 @@ class RecurrentLM(nn.Module):
         return ZooOutput(logits=self.head(h), hidden=h)
 
 
+class SharedNormBlock(nn.Module):
+    def __init__(self, norm: nn.Module, d: int = WIDTH) -> None:
+        super().__init__()
+        self.norm = norm  # the same module in every block
+        self.up = nn.Linear(d, 2 * d)
+        self.down = nn.Linear(2 * d, d)
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        return h + self.down(F.gelu(self.up(self.norm(h))))
+
+
+class SharedBlocksLM(nn.Module):
+    """Blocks that share layers, as ALBERT-style models do: one ``nn.LayerNorm`` module held
+    by every block, and the first and last blocks' up-projections tied. With blocks as units
+    (``unit="auto"``) the shared norm belongs to none of them (the root unit) and the tied
+    weight to two, each of which gathers it."""
+
+    def __init__(self, vocab: int = VOCAB, d: int = WIDTH) -> None:
+        super().__init__()
+        self.wte = nn.Embedding(vocab, d)
+        norm = nn.LayerNorm(d)
+        self.blocks = nn.ModuleList(SharedNormBlock(norm, d) for _ in range(3))
+        self.blocks[2].up.weight = self.blocks[0].up.weight
+        self.head = nn.Linear(d, vocab)
+
+    def forward(self, idx: torch.Tensor) -> ZooOutput:
+        h = self.wte(idx)  # (B, T, d)
+        for block in self.blocks:
+            h = block(h)
+        return ZooOutput(logits=self.head(h), hidden=h)
+
+
 def zoo_loss(output: ZooOutput, y: torch.Tensor) -> torch.Tensor:
     logits = output.logits
     return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1))

@@ -6,7 +6,8 @@ life cycle]) are laid out by the same rule, ``unit_layers``:
 - ``"auto"`` (the default of both): the children of every block list (an ``nn.ModuleList`` or
   ``nn.Sequential`` of same-type modules: a transformer's blocks, every tower's of a model with
   several; ``repeated_blocks``) are units, the other layers one more unit, the root; a model
-  without a block list gets one unit per layer.
+  without a block list gets one unit per layer. A layer module that several blocks hold (one
+  norm shared by two blocks) belongs to none of them: it is in the root unit.
 - ``"layer"`` and ``"tensor"``: one unit per layer (``"tensor"`` also issues one collective
   per tensor instead of one per group of tensors; the strategies read that themselves).
 - a list of modules: all layers inside one listed module form a unit; the layers outside every
@@ -33,7 +34,8 @@ def unit_layers(
     ranks (their collectives pair up), so it is computed from full sizes."""
     names = {id(m): path or "<root>" for path, m in root.named_modules()}
     layers = [m for m in root.modules() if is_layer(m)]
-    if isinstance(unit, str) and unit == "auto":
+    shared_to_root = isinstance(unit, str) and unit == "auto"
+    if shared_to_root:
         blocks = repeated_blocks(root, numel)
         if blocks is None:
             return [(names[id(layer)], [layer]) for layer in layers]
@@ -45,18 +47,24 @@ def unit_layers(
             )
         return [(names[id(layer)], [layer]) for layer in layers]
     owners: Dict[int, int] = {}  # id(layer) -> index of the listed module that holds it
+    shared: List[int] = []  # ids of layers inside several blocks ("auto": the root's)
     modules = list(unit)
     for index, module in enumerate(modules):
         if not isinstance(module, nn.Module) or id(module) not in names:
             raise ValueError(f"unit entry {index} is not a submodule of the wrapped model")
         for layer in module.modules():
             if is_layer(layer):
-                if id(layer) in owners:
+                if id(layer) in owners and shared_to_root:
+                    shared.append(id(layer))
+                elif id(layer) in owners:
                     raise ValueError(
                         f"layer '{names[id(layer)]}' is inside two unit modules "
-                        f"('{names[id(modules[owners[id(layer)]])]}' and '{names[id(module)]}')"
+                        f"('{names[id(modules[owners[id(layer)]])]}' and '{names[id(module)]}'):"
+                        " list neither (it joins the root unit) or a module holding both"
                     )
                 owners[id(layer)] = index
+    for layer_id in shared:
+        owners.pop(layer_id, None)
     grouped: List[List[nn.Module]] = [[] for _ in range(len(modules) + 1)]  # last: the root
     for layer in layers:
         grouped[owners.get(id(layer), len(modules))].append(layer)

@@ -147,13 +147,16 @@ def _layers_and_tensors(model: nn.Module):
         for m in layer_modules
     ]
     blocks = repeated_blocks(model) or []
-    in_block: Dict[int, int] = {}
+    holders: Dict[int, List[int]] = {}  # id(layer) -> the blocks holding it
     for b, block in enumerate(blocks):
-        for p in block.parameters():
-            in_block.setdefault(id(p), b)
+        for m in block.modules():
+            holders.setdefault(id(m), []).append(b)
+    # As ``unit_layers``: a layer of one block is in its unit, any other in the root (first).
     units: List[List[int]] = [[] for _ in range(len(blocks) + 1)]
-    for p in model.parameters():
-        units[in_block.get(id(p), -1) + 1].append(index[id(p)])
+    for m, layer in zip(layer_modules, layers):
+        held = holders.get(id(m), [])
+        unit = units[held[0] + 1 if len(held) == 1 else 0]
+        unit.extend(i for i in layer if i not in unit)  # a tied weight once per unit
     units = [u for u in units if u] if blocks else [[i] for layer in layers for i in layer]
     weights = [
         p.shape
