@@ -558,6 +558,89 @@ def test_meta_buffers_nothing_can_initialise_are_refused_with_the_fix():
         assert "Add init_buffers(self, module)" in message
 
 
+def _rotations(dim: int, length: int) -> torch.Tensor:
+    """(length, dim // 2) complex rotations of rotary embeddings, on the default device."""
+    inv = 1.0 / (10000.0 ** (torch.arange(0, dim, 2).float() / dim))
+    angles = torch.outer(torch.arange(length).float(), inv)
+    return torch.polar(torch.ones_like(angles), angles)
+
+
+class TitanBlock(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.norm = nn.RMSNorm(WIDTH)
+        self.wq = nn.Linear(WIDTH, WIDTH, bias=False)
+
+    def forward(self, h: torch.Tensor, rotations: torch.Tensor) -> torch.Tensor:
+        q = self.wq(self.norm(h))  # (B, T, WIDTH)
+        pairs = torch.view_as_complex(q.reshape(*q.shape[:-1], -1, 2))
+        return h + torch.view_as_real(pairs * rotations[: q.shape[1]]).flatten(2)
+
+    def init_weights(self, std: float) -> None:
+        self.norm.reset_parameters()
+        nn.init.trunc_normal_(self.wq.weight, std=std)
+
+
+class TitanLM(nn.Module):
+    """torchtitan's way: blocks in an ``nn.ModuleDict``, a non-persistent complex buffer of
+    rotations computed in ``__init__`` (on meta when built there) and again by
+    ``init_weights(buffer_device)``, which the model is meant to get after wrapping; no
+    per-module init knows the buffer ([Note: buffers the model's init method sets])."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.tok_embeddings = nn.Embedding(VOCAB, WIDTH)
+        self.register_buffer("freqs_cis", _rotations(WIDTH, 16), persistent=False)
+        self.layers = nn.ModuleDict({str(i): TitanBlock() for i in range(2)})
+        self.output = nn.Linear(WIDTH, VOCAB, bias=False)
+
+    def init_weights(self, buffer_device: Optional[torch.device] = None) -> None:
+        with torch.device(buffer_device or self.freqs_cis.device):
+            self.freqs_cis = _rotations(WIDTH, 16)
+        nn.init.normal_(self.tok_embeddings.weight)
+        for i, layer in enumerate(self.layers.values()):
+            layer.init_weights(0.02 / (2 * (i + 1)) ** 0.5)
+        nn.init.trunc_normal_(self.output.weight, std=0.3)
+
+    def forward(self, idx: torch.Tensor) -> ReaderOutput:
+        h = self.tok_embeddings(idx)
+        for layer in self.layers.values():
+            h = layer(h, self.freqs_cis)
+        return ReaderOutput(logits=self.output(h))
+
+
+def _titan_worker(rank: int, world_size: int) -> List[str]:
+    def initialised() -> nn.Module:  # the oracle's: a real build, then the same init
+        model = TitanLM()
+        torch.manual_seed(1)
+        model.init_weights()
+        return model
+
+    ref_losses, ref_state = _oracle(initialised, _zoo_loss, rank, world_size)
+    seen = []
+    for strategy in ("fsdp", "zero3"):
+        with torch.device("meta"):
+            model = TitanLM()
+        wrapped, optimizer = _wrap(strategy, model, world_size, True)
+        assert [unit.name for unit in wrapped.units] == ["layers.0", "layers.1", "<root>"]
+        with pytest.raises(ValueError, match=r"\['freqs_cis'\] were on the meta.*init_weights"):
+            wrapped(_batch(0, rank, world_size)[0])  # before the model's init: refused
+        torch.manual_seed(1)
+        wrapped.init_weights(buffer_device=torch.device("cpu"))
+        losses = _train(wrapped, optimizer, _zoo_loss, rank, world_size)
+        what = f"torchtitan-style {strategy}"
+        assert_trains_alike(what, losses, wrapped.state_dict(), ref_losses, ref_state)
+        seen.append(what)
+    return seen
+
+
+def test_a_model_whose_init_weights_sets_its_buffers_trains_when_built_on_meta():
+    """torchtitan's order (build on meta, wrap, ``init_weights``): the buffer nothing can
+    initialise at wrap time is left to the model's init method, and a forward before it is
+    refused with the call to make; after it, training matches torch DDP on the same init."""
+    assert len(run_distributed(_titan_worker, 2)[0]) == 2
+
+
 class AttentionStack(nn.Module):
     """torch.nn layers only: each initialises itself (``reset_parameters``), and
     MultiheadAttention (``_reset_parameters``) overrides its child ``out_proj``'s bias with 0."""

@@ -697,8 +697,9 @@ def test_gradient_checkpointing_with_prefetch_is_bitwise_identical() -> None:
 
 
 def test_auto_units_are_the_blocks_of_every_tower() -> None:
-    """``unit="auto"``: the children of every ``nn.ModuleList`` / ``nn.Sequential`` of
-    same-type modules holding parameters, outermost lists only; the rest is the root."""
+    """``unit="auto"``: the children of every ``nn.ModuleList`` / ``nn.Sequential`` /
+    ``nn.ModuleDict`` of same-type modules holding parameters, outermost lists only; the rest
+    is the root."""
     from tiny_fsdp.core.module import convert_module
     from tiny_fsdp.core.unit_layout import unit_layers
 
@@ -718,14 +719,27 @@ def test_auto_units_are_the_blocks_of_every_tower() -> None:
             self.stages = nn.Sequential(nn.LayerNorm(4), nn.LayerNorm(4))
             self.mixed = nn.ModuleList([nn.Linear(4, 4), nn.LayerNorm(4)])  # not one type
             self.acts = nn.Sequential(nn.ReLU(), nn.ReLU())  # no parameters
+            # torchtitan's Llama keeps its blocks in a dict
+            self.layers = nn.ModuleDict({"0": Tower(1), "1": Tower(1)})
 
     units = unit_layers(convert_module(TwoTowers()), "auto")
     assert [name for name, _ in units] == [
         "encoder.blocks.0", "encoder.blocks.1",
         "decoder.blocks.0", "decoder.blocks.1", "decoder.blocks.2",
-        "stages.0", "stages.1", "<root>",
+        "stages.0", "stages.1", "layers.0", "layers.1", "<root>",
     ]  # fmt: skip
-    assert [len(layers) for _, layers in units] == [2, 2, 2, 2, 2, 1, 1, 3]  # root: embed, mixed
+    assert [len(layers) for _, layers in units] == [
+        2,
+        2,
+        2,
+        2,
+        2,
+        1,
+        1,
+        2,
+        2,
+        3,
+    ]  # root: embed, mixed
     plain = convert_module(nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 2)))
     assert [name for name, _ in unit_layers(plain, "auto")] == ["0", "2"]  # no list: per layer
 

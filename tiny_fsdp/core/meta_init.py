@@ -23,6 +23,19 @@ Why re-run the model's init rather than build the buffers on rank 0 and broadcas
 non-persistent buffer's value exists nowhere but in the code that computes it, and building the
 whole model on a real device is what ``meta`` is there to avoid.
 
+[Note: buffers the model's init method sets]
+Some models compute a buffer only in a whole-model init method, called after wrapping:
+torchtitan's ``init_weights(buffer_device)`` recomputes ``freqs_cis`` there, and no per-module
+init knows it. When the model has such a method (``INIT_METHODS``, which the wrapper runs with
+every parameter whole: [Note: apply with whole parameters]), a buffer nothing initialises at
+wrap time is not refused: it is left unset on the device (so ``self.freqs_cis.device`` is real)
+and its path kept by the wrapper. Each time the wrapper's parameters are written through it (an
+init method, ``apply``, ``load_state_dict``: ``after_load``), a floating buffer no longer NaN
+counts as set; the next forward raises, naming the buffers and the method to call, while any is
+still unset. Each rank's call sets its own copy, as each rank's init does at wrap time (no
+collective there: ``after_load`` also runs on one rank alone). A buffer without NaN (integers)
+cannot be told set from unset: it counts as set once such a call has run.
+
 [Note: meta parameters]
 A parameter on ``meta`` is filled, at its full shape, by ``root.init_parameter(name, tensor)``
 when the model has one (our GPT-2: values that depend on the name only). A model without it
@@ -45,6 +58,7 @@ import torch.distributed as dist
 from torch import nn
 
 from tiny_fsdp.core import comm
+from tiny_fsdp.core.apply_whole import INIT_METHODS
 
 
 class MetaInitError(ValueError):
@@ -56,9 +70,13 @@ def has_meta_buffers(root: nn.Module) -> bool:
 
 
 @torch.no_grad()
-def materialize_buffers(root: nn.Module, device: torch.device, what: str) -> None:
-    """Make every meta buffer of ``root`` real on ``device`` ([Note: meta buffers])."""
+def materialize_buffers(root: nn.Module, device: torch.device, what: str) -> List[str]:
+    """Make every meta buffer of ``root`` real on ``device`` ([Note: meta buffers]). Returns
+    the paths of those left unset for the model's init method ([Note: buffers the model's init
+    method sets]); raises for them if the model has none."""
     names = {id(m): path for path, m in root.named_modules()}
+    later = init_method_of(root)
+    left: List[str] = []
     for module in root.modules():
         meta = [n for n, b in module._buffers.items() if b is not None and b.is_meta]
         if not meta:
@@ -68,16 +86,40 @@ def materialize_buffers(root: nn.Module, device: torch.device, what: str) -> Non
             module._buffers[name] = _unset(buffer.shape, buffer.dtype, device)
         init = _init_of(root, module)
         paths = [f"{names[id(module)]}.{n}".lstrip(".") for n in meta]
-        if init is None:
+        if init is not None:
+            with _scratch_params(module, device):
+                init()
+            paths = [p for p, n in zip(paths, meta) if _is_nan(module._buffers[n])]
+        if paths and later is None:
             raise MetaInitError(_missing(what, "buffers", paths, module))
-        with _scratch_params(module, device):
-            init()
-        unset = [p for p, n in zip(paths, meta) if _is_nan(module._buffers[n])]
-        if unset:
-            raise MetaInitError(_missing(what, "buffers", unset, module))
+        left += paths
     if dist.get_world_size() > 1:
         for buffer in root.buffers():
             comm.broadcast_into(buffer, src=0)
+    return left
+
+
+def init_method_of(root: nn.Module) -> Optional[str]:
+    """The name of ``root``'s whole-model init method (``INIT_METHODS``), if it has one."""
+    methods = ("init_weights", *sorted(INIT_METHODS - {"init_weights"}))  # torchtitan's first
+    return next((m for m in methods if callable(getattr(root, m, None))), None)
+
+
+def still_unset(root: nn.Module, paths: List[str]) -> List[str]:
+    """Those of ``paths`` (buffers left for the init method) whose buffer is still NaN."""
+    return [path for path in paths if _is_nan(root.get_buffer(path))]
+
+
+def unset_buffers_error(what: str, root: nn.Module, paths: List[str]) -> MetaInitError:
+    """The error of a forward while ``paths`` are unset ([Note: buffers the model's init
+    method sets])."""
+    return MetaInitError(
+        f"{what}: buffers {paths} were on the meta device and nothing initialised them when "
+        f"the model was wrapped. Call the model's {init_method_of(root)}() on the wrapped "
+        "model, on every rank, before the first forward (torchtitan's init_weights("
+        "buffer_device=...) recomputes freqs_cis), or add init_buffers(self, module) to the "
+        "model (fill module's buffers in place)."
+    )
 
 
 PARAM_RESETS = ("reset_parameters", "_reset_parameters")  # nn.MultiheadAttention: the latter

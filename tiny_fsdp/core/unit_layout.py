@@ -3,11 +3,12 @@
 FSDP's gather units ([Note: gather units]) and ZeRO-3's broadcast units ([Note: zero3 tensor
 life cycle]) are laid out by the same rule, ``unit_layers``:
 
-- ``"auto"`` (the default of both): the children of every block list (an ``nn.ModuleList`` or
-  ``nn.Sequential`` of same-type modules: a transformer's blocks, every tower's of a model with
-  several; ``repeated_blocks``) are units, the other layers one more unit, the root; a model
-  without a block list gets one unit per layer. A layer module that several blocks hold (one
-  norm shared by two blocks) belongs to none of them: it is in the root unit.
+- ``"auto"`` (the default of both): the children of every block list (an ``nn.ModuleList``,
+  ``nn.Sequential`` or ``nn.ModuleDict`` of same-type modules: a transformer's blocks, every
+  tower's of a model with several; ``repeated_blocks``) are units, the other layers one more
+  unit, the root; a model without a block list gets one unit per layer. A layer module that
+  several blocks hold (one norm shared by two blocks) belongs to none of them: it is in the
+  root unit.
 - ``"layer"`` and ``"tensor"``: one unit per layer (``"tensor"`` also issues one collective
   per tensor instead of one per group of tensors; the strategies read that themselves).
 - a list of modules: all layers inside one listed module form a unit; the layers outside every
@@ -77,10 +78,11 @@ def repeated_blocks(
 ) -> Optional[List[nn.Module]]:
     """The children of every block list of ``root``, in module order, or None if it has none.
 
-    A block list is an ``nn.ModuleList`` or ``nn.Sequential`` of >= 2 modules of one type that
-    hold parameters: a transformer's blocks, each tower's of a model with several (an encoder
-    and a decoder, a student and a frozen teacher). The outermost lists count: a list inside a
-    block belongs to that block."""
+    A block list is an ``nn.ModuleList``, ``nn.Sequential`` or ``nn.ModuleDict`` (torchtitan's
+    Llama keeps its blocks in one) of >= 2 modules of one type that hold parameters: a
+    transformer's blocks, each tower's of a model with several (an encoder and a decoder, a
+    student and a frozen teacher). The outermost lists count: a list inside a block belongs to
+    that block."""
     blocks: List[nn.Module] = []
 
     def visit(module: nn.Module) -> None:
@@ -95,7 +97,7 @@ def repeated_blocks(
 
 
 def _is_block_list(module: nn.Module, numel: Callable[[torch.Tensor], int]) -> bool:
-    if not isinstance(module, (nn.ModuleList, nn.Sequential)) or len(module) < 2:
+    if not isinstance(module, (nn.ModuleList, nn.Sequential, nn.ModuleDict)) or len(module) < 2:
         return False
     if len({type(child) for child in module.children()}) != 1:
         return False

@@ -115,14 +115,14 @@ class FSDP(FetchingWrapper):
         )
         super().__init__(module, enable_async_communication, mixed_precision, registered_layers)
         self._state.policy = mixed_precision
-        shard_module(
+        unset = shard_module(
             self.module, shard_rank, shard_size, device, sync_module_states, groups.shard_group
         )
         self.claim(self.module.parameters())  # meta parameters were replaced by new objects
         shard_device = next((p.device for p in self.module.parameters()), torch.device("cpu"))
         communicates = shard_size > 1 or groups.replicate_group is not None
         self._state.use_streams(streams.streams_for(shard_device, communicates))
-        self.build_units(self._state, unit, GatherUnit, ReduceScatterGrads)
+        self.build_units(self._state, unit, GatherUnit, ReduceScatterGrads, unset)
 
     # A switch the handlers read during backward lives in the shared state.
     @property

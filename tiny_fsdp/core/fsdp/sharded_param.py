@@ -17,7 +17,7 @@ import math
 from collections import defaultdict
 from dataclasses import dataclass, field
 from functools import cached_property
-from typing import Any, Callable, Optional, Tuple
+from typing import Any, Callable, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -172,8 +172,10 @@ def shard_module(
     device: Optional[torch.device],
     sync: bool,
     group: Optional[Any] = None,
-) -> None:
-    """Shard ``root`` in place at wrap time, one unique parameter at a time.
+) -> List[str]:
+    """Shard ``root`` in place at wrap time, one unique parameter at a time; returns the paths
+    of buffers left for the model's init method ([Note: buffers the model's init method
+    sets]).
 
     For each parameter: take its full value (materialised when on ``meta``: [Note: meta
     parameters]; moved to ``device`` if given), broadcast it from rank 0 if ``sync`` (ranks cannot
@@ -183,8 +185,9 @@ def shard_module(
     in ``group``, the ranks the shards are spread over (HSDP: the shard group); the broadcasts
     reach every rank, so every replica starts from rank 0's values.
     """
+    unset: List[str] = []  # buffers left for the model's init method
     if has_meta_buffers(root):  # before the parameters: an init may need their full shapes
-        materialize_buffers(root, _meta_device(device), "FSDP")
+        unset = materialize_buffers(root, _meta_device(device), "FSDP")
     holders = defaultdict(list)  # id(param) -> [(module, attribute)] that hold it
     for module in root.modules():
         for attr, param in module._parameters.items():
@@ -210,6 +213,7 @@ def shard_module(
                 module._buffers[name] = buffer = buffer.to(device)
             if sync and dist.get_world_size() > 1:
                 comm.broadcast_into(buffer, src=0)  # buffers stay whole, equal on every rank
+    return unset
 
 
 def _meta_device(device: Optional[torch.device]) -> torch.device:

@@ -124,10 +124,10 @@ class Zero3(FetchingWrapper):
             )
         self.param_part_table = param_part_table
         self.device = _choose_device(param_part_table, named, rank)  # move inputs here
-        self._materialize(named, self.device, sync_module_states)
+        unset = self._materialize(named, self.device, sync_module_states)
         self.claim(self.module.parameters())  # meta parameters were replaced by new objects
         self._runtime.use_streams(streams.streams_for(self.device, dist.get_world_size() > 1))
-        self.build_units(self._runtime, unit, BroadcastUnit, ReduceToOwnerGrads)
+        self.build_units(self._runtime, unit, BroadcastUnit, ReduceToOwnerGrads, unset)
 
     def transient_bytes(self) -> Dict[str, int]:
         """Bytes of fetched (non-owned) parameter buffers and of reductions in flight now (read
@@ -165,15 +165,18 @@ class Zero3(FetchingWrapper):
     @torch.no_grad()
     def _materialize(
         self, named: List[Tuple[str, nn.Parameter]], device: torch.device, sync: bool
-    ) -> None:
-        """Keep (or create) the owned tensors on ``device``; leave (0,) tensors elsewhere."""
+    ) -> List[str]:
+        """Keep (or create) the owned tensors on ``device``; leave (0,) tensors elsewhere.
+        Returns the buffers left for the model's init method ([Note: buffers the model's init
+        method sets])."""
         rt = self._runtime
         init = getattr(self.module, "init_parameter", None)
         init = init or ModuleInit(self.module, device, "Zero3")  # [Note: meta parameters]
         on_meta = any(param.is_meta for _, param in named)
         failed = None  # ModuleInit's error on this rank, raised on all after the loop
+        unset: List[str] = []
         if has_meta_buffers(self.module):  # [Note: meta buffers]; before the parameters
-            materialize_buffers(self.module, device, "Zero3")
+            unset = materialize_buffers(self.module, device, "Zero3")
         for name, param in named:
             info = TensorInfo(name, self.param_part_table[name], param.shape)
             owned = info.owner == rt.rank
@@ -203,6 +206,7 @@ class Zero3(FetchingWrapper):
             broadcast_module_buffers(self.module)  # whole on every rank, rank 0's values
         if isinstance(init, ModuleInit) and on_meta:
             raise_on_every_rank(failed)
+        return unset
 
     # ---------------------------------------------------------------- what this rank holds
     def _info(self, param: torch.Tensor) -> TensorInfo:
