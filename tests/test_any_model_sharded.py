@@ -570,22 +570,26 @@ class TitanBlock(nn.Module):
         super().__init__()
         self.norm = nn.RMSNorm(WIDTH)
         self.wq = nn.Linear(WIDTH, WIDTH, bias=False)
+        self.experts = nn.Parameter(torch.empty(2, WIDTH, WIDTH))  # drawn by init_weights only
 
     def forward(self, h: torch.Tensor, rotations: torch.Tensor) -> torch.Tensor:
         q = self.wq(self.norm(h))  # (B, T, WIDTH)
         pairs = torch.view_as_complex(q.reshape(*q.shape[:-1], -1, 2))
-        return h + torch.view_as_real(pairs * rotations[: q.shape[1]]).flatten(2)
+        h = h + torch.view_as_real(pairs * rotations[: q.shape[1]]).flatten(2)
+        return h + torch.tanh(h @ self.experts[0]) @ self.experts[1]
 
     def init_weights(self, std: float) -> None:
         self.norm.reset_parameters()
         nn.init.trunc_normal_(self.wq.weight, std=std)
+        nn.init.trunc_normal_(self.experts, std=std)
 
 
 class TitanLM(nn.Module):
     """torchtitan's way: blocks in an ``nn.ModuleDict``, a non-persistent complex buffer of
     rotations computed in ``__init__`` (on meta when built there) and again by
-    ``init_weights(buffer_device)``, which the model is meant to get after wrapping; no
-    per-module init knows the buffer ([Note: buffers the model's init method sets])."""
+    ``init_weights(buffer_device)``, which the model is meant to get after wrapping, and raw
+    3-D expert weights that only ``init_weights`` draws; no per-module init knows them ([Note:
+    tensors the model's init method sets])."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -623,8 +627,12 @@ def _titan_worker(rank: int, world_size: int) -> List[str]:
             model = TitanLM()
         wrapped, optimizer = _wrap(strategy, model, world_size, True)
         assert [unit.name for unit in wrapped.units] == ["layers.0", "layers.1", "<root>"]
-        with pytest.raises(ValueError, match=r"\['freqs_cis'\] were on the meta.*init_weights"):
-            wrapped(_batch(0, rank, world_size)[0])  # before the model's init: refused
+        unset = r"\['freqs_cis', 'layers.0.experts', 'layers.1.experts'\] were on the meta"
+        for init in (None, lambda module: None):  # no init yet; one that sets nothing
+            if init is not None:
+                wrapped.apply(init)
+            with pytest.raises(ValueError, match=unset + ".*init_weights"):
+                wrapped(_batch(0, rank, world_size)[0])  # before the model's init: refused
         torch.manual_seed(1)
         wrapped.init_weights(buffer_device=torch.device("cpu"))
         losses = _train(wrapped, optimizer, _zoo_loss, rank, world_size)
@@ -635,9 +643,10 @@ def _titan_worker(rank: int, world_size: int) -> List[str]:
 
 
 def test_a_model_whose_init_weights_sets_its_buffers_trains_when_built_on_meta():
-    """torchtitan's order (build on meta, wrap, ``init_weights``): the buffer nothing can
-    initialise at wrap time is left to the model's init method, and a forward before it is
-    refused with the call to make; after it, training matches torch DDP on the same init."""
+    """torchtitan's order (build on meta, wrap, ``init_weights``): the buffer and parameters
+    nothing can initialise at wrap time are left to the model's init method, and a forward
+    before it is refused with the call to make; after it, training matches torch DDP on the
+    same init."""
     assert len(run_distributed(_titan_worker, 2)[0]) == 2
 
 

@@ -18,7 +18,7 @@ from torch import nn
 
 from tiny_fsdp.core.full_unit import FullUnit
 from tiny_fsdp.core.loss_reads import LocalGradWatch
-from tiny_fsdp.core.meta_init import still_unset, unset_buffers_error
+from tiny_fsdp.core.meta_init import check_set
 from tiny_fsdp.core.module.outside_reads import OutsideReadWatch
 from tiny_fsdp.core.unit_grads import UnitGradients
 from tiny_fsdp.core.unit_handler import UnitHandler
@@ -39,13 +39,13 @@ class FetchingWrapper(DataParallelWrapper):
         unit: UnitSpec,
         make_unit: Callable[..., FullUnit],
         make_grads: Callable[..., UnitGradients],
-        unset_buffers: Sequence[str] = (),
+        unset: Sequence[str] = (),
     ) -> None:
         """The last step of a subclass's ``__init__``: lay the layers out in units
         (``unit_layout.py``), give each unit its gradients and each layer a ``UnitHandler``
         ([Note: unit handler]). ``make_unit`` / ``make_grads`` take ``(name, layers, state,
-        per_tensor)``; ``unset_buffers``: paths of buffers the model's init method is to set
-        ([Note: buffers the model's init method sets])."""
+        per_tensor)``; ``unset``: paths of the tensors the model's init method is to set
+        ([Note: tensors the model's init method sets])."""
         per_tensor = isinstance(unit, str) and unit == "tensor"
 
         def full_numel(param: torch.Tensor) -> int:  # the same on every rank
@@ -64,7 +64,7 @@ class FetchingWrapper(DataParallelWrapper):
         self._named_params: Optional[List[Tuple[str, nn.Parameter]]] = None  # listed at forward
         self._reads = OutsideReadWatch(self.module)
         state.grad_watch = LocalGradWatch(self.module, type(self).__name__)
-        self._unset_buffers = list(unset_buffers)
+        self._unset = list(unset)
 
     @property
     def units(self) -> List[FullUnit]:
@@ -88,14 +88,11 @@ class FetchingWrapper(DataParallelWrapper):
         self._prefetcher.drop_transients()  # full / prefetched parameters would go stale
         self._named_params = None  # a load with assign=True replaces parameters
 
-    def after_load(self) -> None:
-        if self._unset_buffers:  # [Note: buffers the model's init method sets]
-            self._unset_buffers = still_unset(self.module, self._unset_buffers)
-
     @eager  # [Note: torch.compile]
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        if self._unset_buffers:  # [Note: buffers the model's init method sets]
-            raise unset_buffers_error(type(self).__name__, self.module, self._unset_buffers)
+        if self._unset:  # [Note: tensors the model's init method sets]; alike on every rank
+            check_set(type(self).__name__, self.module, self._unset)
+            self._unset = []
         if torch.is_grad_enabled():
             if self._named_params is None:
                 self._named_params = list(self.module.named_parameters())

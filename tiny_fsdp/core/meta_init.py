@@ -23,18 +23,19 @@ Why re-run the model's init rather than build the buffers on rank 0 and broadcas
 non-persistent buffer's value exists nowhere but in the code that computes it, and building the
 whole model on a real device is what ``meta`` is there to avoid.
 
-[Note: buffers the model's init method sets]
-Some models compute a buffer only in a whole-model init method, called after wrapping:
-torchtitan's ``init_weights(buffer_device)`` recomputes ``freqs_cis`` there, and no per-module
-init knows it. When the model has such a method (``INIT_METHODS``, which the wrapper runs with
-every parameter whole: [Note: apply with whole parameters]), a buffer nothing initialises at
-wrap time is not refused: it is left unset on the device (so ``self.freqs_cis.device`` is real)
-and its path kept by the wrapper. Each time the wrapper's parameters are written through it (an
-init method, ``apply``, ``load_state_dict``: ``after_load``), a floating buffer no longer NaN
-counts as set; the next forward raises, naming the buffers and the method to call, while any is
-still unset. Each rank's call sets its own copy, as each rank's init does at wrap time (no
-collective there: ``after_load`` also runs on one rank alone). A buffer without NaN (integers)
-cannot be told set from unset: it counts as set once such a call has run.
+[Note: tensors the model's init method sets]
+Some models set a tensor only in a whole-model init method, called after wrapping: torchtitan's
+``init_weights(buffer_device)`` recomputes the ``freqs_cis`` buffer there and draws its MoE
+experts' raw 3-D parameters; timm's ``init_weights()`` draws a ViT's ``pos_embed``. No
+per-module init knows them. When the model has such a method (``INIT_METHODS``, which the
+wrapper runs with every parameter whole: [Note: apply with whole parameters]), a buffer or
+parameter nothing initialises at wrap time is not refused: it is left unset (NaN) on the device,
+so ``self.freqs_cis.device`` is real, and its path is kept by the wrapper (ZeRO-3: the union of
+every owner's), the same list on every rank. The forward checks them, until one finds them all
+set (however they were written: the init method, ``apply``, ``load_state_dict``): a tensor
+still NaN where any rank holds it (one all-gather of the names: a ZeRO-3 rank holds only the
+tensors it owns) makes every rank raise alike, naming the tensors and the method to call. A
+tensor without NaN (integers) cannot be told set from unset: it passes the check.
 
 [Note: meta parameters]
 A parameter on ``meta`` is filled, at its full shape, by ``root.init_parameter(name, tensor)``
@@ -72,7 +73,7 @@ def has_meta_buffers(root: nn.Module) -> bool:
 @torch.no_grad()
 def materialize_buffers(root: nn.Module, device: torch.device, what: str) -> List[str]:
     """Make every meta buffer of ``root`` real on ``device`` ([Note: meta buffers]). Returns
-    the paths of those left unset for the model's init method ([Note: buffers the model's init
+    the paths of those left unset for the model's init method ([Note: tensors the model's init
     method sets]); raises for them if the model has none."""
     names = {id(m): path for path, m in root.named_modules()}
     later = init_method_of(root)
@@ -105,21 +106,25 @@ def init_method_of(root: nn.Module) -> Optional[str]:
     return next((m for m in methods if callable(getattr(root, m, None))), None)
 
 
-def still_unset(root: nn.Module, paths: List[str]) -> List[str]:
-    """Those of ``paths`` (buffers left for the init method) whose buffer is still NaN."""
-    return [path for path in paths if _is_nan(root.get_buffer(path))]
+def check_set(what: str, root: nn.Module, paths: List[str]) -> None:
+    """Raise on every rank if any of ``paths`` (tensors left for the init method) is still NaN
+    where some rank holds it ([Note: tensors the model's init method sets]). A collective."""
 
+    def local(path: str) -> torch.Tensor:
+        owner, _, name = path.rpartition(".")
+        return getattr(root.get_submodule(owner), name)
 
-def unset_buffers_error(what: str, root: nn.Module, paths: List[str]) -> MetaInitError:
-    """The error of a forward while ``paths`` are unset ([Note: buffers the model's init
-    method sets])."""
-    return MetaInitError(
-        f"{what}: buffers {paths} were on the meta device and nothing initialised them when "
-        f"the model was wrapped. Call the model's {init_method_of(root)}() on the wrapped "
-        "model, on every rank, before the first forward (torchtitan's init_weights("
-        "buffer_device=...) recomputes freqs_cis), or add init_buffers(self, module) to the "
-        "model (fill module's buffers in place)."
-    )
+    mine = [path for path in paths if _is_nan(local(path))]
+    every = comm.all_gather_object(mine) if dist.get_world_size() > 1 else [mine]
+    unset = [path for path in paths if any(path in ranks for ranks in every)]
+    if unset:
+        raise MetaInitError(
+            f"{what}: {unset} were on the meta device and nothing initialised them when the "
+            f"model was wrapped. Call the model's {init_method_of(root)}() on the wrapped "
+            "model, on every rank, before the first forward (as torchtitan calls init_weights("
+            "buffer_device=...) after fully_shard), or add init_buffers(self, module) / "
+            "init_parameter(self, name, tensor) to the model."
+        )
 
 
 PARAM_RESETS = ("reset_parameters", "_reset_parameters")  # nn.MultiheadAttention: the latter
@@ -229,13 +234,16 @@ def _is_nan(tensor: torch.Tensor) -> bool:
     return floating and bool(torch.isnan(tensor).any())
 
 
-def raise_on_every_rank(message: Optional[str]) -> None:
+def agree_on_every_rank(message: Optional[str], unset: List[str]) -> List[str]:
     """Raise ``MetaInitError`` on every rank if ``message`` is set on any (ZeRO-3 initialises a
-    tensor on its owner only: the others must not walk on into a collective)."""
-    messages = comm.all_gather_object(message) if dist.get_world_size() > 1 else [message]
-    failed = [m for m in messages if m]
+    tensor on its owner only: the others must not walk on into a collective); else return the
+    union of every rank's ``unset`` paths ([Note: tensors the model's init method sets])."""
+    mine = (message, unset)
+    every = comm.all_gather_object(mine) if dist.get_world_size() > 1 else [mine]
+    failed = [m for m, _ in every if m]
     if failed:
         raise MetaInitError(failed[0])
+    return sorted({path for _, paths in every for path in paths})
 
 
 class ModuleInit:
@@ -248,6 +256,9 @@ class ModuleInit:
         self._shapes = full_shapes(root)  # before the strategy shards anything
         self._module: Optional[str] = None  # the module whose scratch values are held
         self._values: Dict[str, torch.Tensor] = {}
+        self._later = init_method_of(root) is not None
+        #: parameters left unset (NaN) for the model's init method, in the order met
+        self.unset: List[str] = []
 
     @torch.no_grad()
     def __call__(self, name: str, tensor: torch.Tensor) -> None:
@@ -269,10 +280,6 @@ class ModuleInit:
         inits = [(owner, _init_of(self.root, owner, ("_init_weights",), PARAM_RESETS))
                  for owner in chain]  # fmt: skip
         attrs = [attr for attr, param in module._parameters.items() if param is not None]
-        if all(init is None for _, init in inits):
-            raise MetaInitError(
-                _missing(self.what, "parameters", self._paths(module_name, attrs), module)
-            )
         with _scratch_params(module, self.device, self._shapes):
             for owner, init in inits:
                 if init is None:
@@ -283,11 +290,12 @@ class ModuleInit:
                     with _on_meta(owner, module, self._shapes):
                         init()
             values = {attr: module._parameters[attr].detach() for attr in attrs}
-        unset = [attr for attr, value in values.items() if _is_nan(value)]
-        if unset:
-            raise MetaInitError(
-                _missing(self.what, "parameters", self._paths(module_name, unset), module)
-            )
+        initialised = any(init is not None for _, init in inits)
+        unset = [a for a, value in values.items() if _is_nan(value) or not initialised]
+        unset = self._paths(module_name, unset)
+        if unset and not self._later:  # [Note: tensors the model's init method sets]
+            raise MetaInitError(_missing(self.what, "parameters", unset, module))
+        self.unset += unset
         return values
 
     @staticmethod

@@ -174,7 +174,7 @@ def shard_module(
     group: Optional[Any] = None,
 ) -> List[str]:
     """Shard ``root`` in place at wrap time, one unique parameter at a time; returns the paths
-    of buffers left for the model's init method ([Note: buffers the model's init method
+    of tensors left for the model's init method ([Note: tensors the model's init method
     sets]).
 
     For each parameter: take its full value (materialised when on ``meta``: [Note: meta
@@ -185,7 +185,7 @@ def shard_module(
     in ``group``, the ranks the shards are spread over (HSDP: the shard group); the broadcasts
     reach every rank, so every replica starts from rank 0's values.
     """
-    unset: List[str] = []  # buffers left for the model's init method
+    unset: List[str] = []  # tensors left for the model's init method
     if has_meta_buffers(root):  # before the parameters: an init may need their full shapes
         unset = materialize_buffers(root, _meta_device(device), "FSDP")
     holders = defaultdict(list)  # id(param) -> [(module, attribute)] that hold it
@@ -213,7 +213,7 @@ def shard_module(
                 module._buffers[name] = buffer = buffer.to(device)
             if sync and dist.get_world_size() > 1:
                 comm.broadcast_into(buffer, src=0)  # buffers stay whole, equal on every rank
-    return unset
+    return unset + (init.unset if isinstance(init, ModuleInit) else [])
 
 
 def _meta_device(device: Optional[torch.device]) -> torch.device:

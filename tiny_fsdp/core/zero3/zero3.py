@@ -33,7 +33,7 @@ from tiny_fsdp.core.meta_init import (
     ModuleInit,
     has_meta_buffers,
     materialize_buffers,
-    raise_on_every_rank,
+    agree_on_every_rank,
 )
 from tiny_fsdp.core.precision import MixedPrecisionPolicy
 from tiny_fsdp.core.reductions import ReduceStats
@@ -167,7 +167,7 @@ class Zero3(FetchingWrapper):
         self, named: List[Tuple[str, nn.Parameter]], device: torch.device, sync: bool
     ) -> List[str]:
         """Keep (or create) the owned tensors on ``device``; leave (0,) tensors elsewhere.
-        Returns the buffers left for the model's init method ([Note: buffers the model's init
+        Returns the tensors left for the model's init method ([Note: tensors the model's init
         method sets])."""
         rt = self._runtime
         init = getattr(self.module, "init_parameter", None)
@@ -205,7 +205,7 @@ class Zero3(FetchingWrapper):
         if sync and rt.world_size > 1:
             broadcast_module_buffers(self.module)  # whole on every rank, rank 0's values
         if isinstance(init, ModuleInit) and on_meta:
-            raise_on_every_rank(failed)
+            unset += agree_on_every_rank(failed, init.unset)
         return unset
 
     # ---------------------------------------------------------------- what this rank holds
