@@ -642,7 +642,7 @@ def _titan_worker(rank: int, world_size: int) -> List[str]:
     return seen
 
 
-def test_a_model_whose_init_weights_sets_its_buffers_trains_when_built_on_meta():
+def test_a_model_whose_init_weights_sets_tensors_trains_when_built_on_meta():
     """torchtitan's order (build on meta, wrap, ``init_weights``): the buffer and parameters
     nothing can initialise at wrap time are left to the model's init method, and a forward
     before it is refused with the call to make; after it, training matches torch DDP on the
