@@ -47,30 +47,40 @@ def unit_layers(
                 f"unit must be 'auto', 'layer', 'tensor' or a list of modules, got {unit!r}"
             )
         return [(names[id(layer)], [layer]) for layer in layers]
-    owners: Dict[int, int] = {}  # id(layer) -> index of the listed module that holds it
-    shared: List[int] = []  # ids of layers inside several blocks ("auto": the root's)
     modules = list(unit)
     for index, module in enumerate(modules):
         if not isinstance(module, nn.Module) or id(module) not in names:
             raise ValueError(f"unit entry {index} is not a submodule of the wrapped model")
-        for layer in module.modules():
-            if is_layer(layer):
-                if id(layer) in owners and shared_to_root:
-                    shared.append(id(layer))
-                elif id(layer) in owners:
-                    raise ValueError(
-                        f"layer '{names[id(layer)]}' is inside two unit modules "
-                        f"('{names[id(modules[owners[id(layer)]])]}' and '{names[id(module)]}'):"
-                        " list neither (it joins the root unit) or a module holding both"
-                    )
-                owners[id(layer)] = index
-    for layer_id in shared:
-        owners.pop(layer_id, None)
+    held = holders(modules)
+    if not shared_to_root:
+        for layer in layers:
+            if len(held.get(id(layer), ())) > 1:
+                first, second = (names[id(modules[i])] for i in held[id(layer)][:2])
+                raise ValueError(
+                    f"layer '{names[id(layer)]}' is inside two unit modules ('{first}' and "
+                    f"'{second}'): list neither (it joins the root unit) or a module holding both"
+                )
     grouped: List[List[nn.Module]] = [[] for _ in range(len(modules) + 1)]  # last: the root
     for layer in layers:
-        grouped[owners.get(id(layer), len(modules))].append(layer)
+        grouped[unit_of(held, layer, root=len(modules))].append(layer)
     named = [(names[id(m)], g) for m, g in zip(modules, grouped)] + [("<root>", grouped[-1])]
     return [(name, group) for name, group in named if group]
+
+
+def holders(modules: Sequence[nn.Module]) -> Dict[int, List[int]]:
+    """``id(m)`` of every module inside ``modules`` -> the indices of those holding it."""
+    held: Dict[int, List[int]] = {}
+    for index, module in enumerate(modules):
+        for inner in module.modules():
+            held.setdefault(id(inner), []).append(index)
+    return held
+
+
+def unit_of(held: Dict[int, List[int]], layer: nn.Module, root: int) -> int:
+    """The unit of ``layer`` given ``holders(modules)``: the one listed module holding it, else
+    ``root`` (outside every listed module, or inside several: a layer blocks share)."""
+    indices = held.get(id(layer), [])
+    return indices[0] if len(indices) == 1 else root
 
 
 def repeated_blocks(

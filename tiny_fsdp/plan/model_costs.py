@@ -126,7 +126,7 @@ def _layers_and_tensors(model: nn.Module):
     """Distinct tensors, each layer's tensor indices, the auto gather units, and the widest
     matrix product's ``(in, out)`` (of the first block if there are blocks; in, out: the smaller
     and larger dimension of its weight)."""
-    from tiny_fsdp.core.unit_layout import repeated_blocks
+    from tiny_fsdp.core.unit_layout import holders, repeated_blocks, unit_of
 
     index: Dict[int, int] = {}
     tensors: List[int] = []
@@ -147,15 +147,11 @@ def _layers_and_tensors(model: nn.Module):
         for m in layer_modules
     ]
     blocks = repeated_blocks(model) or []
-    holders: Dict[int, List[int]] = {}  # id(layer) -> the blocks holding it
-    for b, block in enumerate(blocks):
-        for m in block.modules():
-            holders.setdefault(id(m), []).append(b)
+    held = holders(blocks)
     # As ``unit_layers``: a layer of one block is in its unit, any other in the root (first).
     units: List[List[int]] = [[] for _ in range(len(blocks) + 1)]
     for m, layer in zip(layer_modules, layers):
-        held = holders.get(id(m), [])
-        unit = units[held[0] + 1 if len(held) == 1 else 0]
+        unit = units[unit_of(held, m, root=-1) + 1]
         unit.extend(i for i in layer if i not in unit)  # a tied weight once per unit
     units = [u for u in units if u] if blocks else [[i] for layer in layers for i in layer]
     weights = [
