@@ -1,5 +1,6 @@
 """Specification: ``MixedPrecisionPolicy``'s FSDP2 fields ``output_dtype`` and
-``cast_forward_inputs`` hold under every wrapper ([Note: mixed precision]).
+``cast_forward_inputs`` hold under every wrapper ([Note: mixed precision]), and FSDP2's own
+``torch.distributed.fsdp.MixedPrecisionPolicy`` means there what ours with the same fields means.
 
 ``output_dtype``: the floating tensors the wrapped model returns come in that dtype (tensors
 inside tuples, dicts and dataclasses; integer ones untouched), and gradients flow back through
@@ -11,11 +12,13 @@ from typing import List
 
 import pytest
 import torch
+import torch.distributed as dist
 from torch import nn
 
-from tests.build import build
+from tests.build import build, sgd
 from tests.harness import run_distributed
 from tiny_fsdp.core import MixedPrecisionPolicy, Zero1Optimizer, Zero2Optimizer
+from tiny_fsdp.core.precision import as_policy
 
 STRATEGIES = ("ddp", "zero1", "zero2", "zero3", "fsdp")
 
@@ -82,3 +85,107 @@ def test_output_dtype_and_cast_forward_inputs_under_every_wrapper() -> None:
 def test_output_dtype_must_be_floating() -> None:
     with pytest.raises(ValueError, match="output_dtype must be a floating-point"):
         MixedPrecisionPolicy(torch.bfloat16, output_dtype=torch.int32)
+
+
+# ------------------------------------------------------------- FSDP2's MixedPrecisionPolicy
+
+
+def _steps(strategy: str, policy: object) -> List[torch.Tensor]:
+    """Outputs of 3 SGD steps of ``Net`` under ``strategy`` with ``policy``, then its parameters."""
+    model, _ = build(strategy, Net(), None, mixed_precision=policy)
+    optimizer = _sgd(strategy, model)
+    gen = torch.Generator().manual_seed(dist.get_rank())
+    seen = []
+    for _ in range(3):
+        out = model(torch.randn(5, 4, generator=gen)).logits
+        out.float().square().mean().backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        seen.append(out.detach())
+    return seen + [p.detach().clone() for p in model.parameters()]
+
+
+def _fsdp2_policy_worker(rank: int, world_size: int) -> List[str]:
+    from torch.distributed.fsdp import MixedPrecisionPolicy as FSDP2Policy
+
+    pairs = {  # FSDP2's policy, and ours with the same fields (None: no policy)
+        "bf16, fp32 reduce and outputs": (
+            FSDP2Policy(torch.bfloat16, torch.float32, torch.float32),
+            MixedPrecisionPolicy(torch.bfloat16, torch.float32, torch.float32),
+        ),
+        "bf16, inputs as given": (
+            FSDP2Policy(torch.bfloat16, cast_forward_inputs=False),
+            MixedPrecisionPolicy(torch.bfloat16, cast_forward_inputs=False),
+        ),
+        "FSDP2's default": (FSDP2Policy(), None),
+    }
+    checked = []
+    for strategy in STRATEGIES:
+        for what, (theirs, ours) in pairs.items():
+            reduces_apart = ours is not None and ours.reduce_dtype != ours.param_dtype
+            if strategy in ("zero1", "zero2") and reduces_apart:  # refused alike
+                for policy in (theirs, ours):
+                    with pytest.raises(ValueError, match="reduces gradients in the parameters'"):
+                        build(strategy, Net(), None, mixed_precision=policy)
+                continue
+            got, want = _steps(strategy, theirs), _steps(strategy, ours)
+            # The same fields mean the same casts, so the same numbers, bit for bit.
+            for a, b in zip(got, want):
+                assert a.dtype == b.dtype and torch.equal(a, b), (strategy, what)
+            checked.append(f"{strategy} {what}")
+    return checked
+
+
+def test_fsdp2_policy_trains_as_ours_with_the_same_fields() -> None:
+    # 5 wrappers x 3 policies, less ZeRO-1/2's refusal of an fp32 reduction under bf16 compute.
+    assert len(run_distributed(_fsdp2_policy_worker, 2)[0]) == 5 * 3 - 2
+
+
+def test_fsdp2_policy_on_one_device_is_ours_with_the_same_fields() -> None:
+    from torch.distributed.fsdp import MixedPrecisionPolicy as FSDP2Policy
+
+    def steps(policy: object) -> List[torch.Tensor]:
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(4, 6), nn.Tanh(), nn.Linear(6, 3))
+        model, optimizer = build("single", model, sgd(lr=0.1), mixed_precision=policy)
+        outs = []
+        for step in range(3):
+            out = model(torch.randn(5, 4, generator=torch.Generator().manual_seed(step)))
+            out.float().square().mean().backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            outs.append(out.detach())
+        return outs + [p.detach().clone() for p in model.parameters()]
+
+    for theirs, ours in [
+        (
+            FSDP2Policy(torch.bfloat16, output_dtype=torch.float32),
+            MixedPrecisionPolicy(torch.bfloat16, output_dtype=torch.float32),
+        ),
+        (FSDP2Policy(), None),
+    ]:
+        for a, b in zip(steps(theirs), steps(ours)):
+            assert a.dtype == b.dtype and torch.equal(a, b), (theirs, a.dtype, b.dtype)
+
+
+@pytest.mark.parametrize(
+    "given, fix",
+    [
+        (torch.bfloat16, r"MixedPrecisionPolicy\(param_dtype=torch.bfloat16\)"),
+        ("bf16", r"MixedPrecisionPolicy.from_name\('bf16'\)"),
+    ],
+)
+def test_other_mixed_precision_values_are_refused_with_what_to_pass(
+    given: object, fix: str
+) -> None:
+    with pytest.raises(TypeError, match=fix):
+        as_policy(given)
+
+
+def test_fsdp1_mixed_precision_and_a_partial_fsdp2_policy_are_refused() -> None:
+    from torch.distributed.fsdp import MixedPrecision, MixedPrecisionPolicy as FSDP2Policy
+
+    with pytest.raises(TypeError, match="FSDP1's MixedPrecision has no counterpart"):
+        as_policy(MixedPrecision(param_dtype=torch.bfloat16))
+    with pytest.raises(ValueError, match="give param_dtype too"):
+        as_policy(FSDP2Policy(reduce_dtype=torch.bfloat16))

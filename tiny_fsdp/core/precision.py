@@ -23,6 +23,10 @@ with fp32 master shards in the optimizer, so there the policy casts the stored p
 ``param_dtype`` (``reduce_dtype`` must equal it). Compute the loss in fp32
 (``logits.float()``): a softmax over a large vocabulary in bf16 loses the small probabilities.
 
+FSDP2's ``torch.distributed.fsdp.MixedPrecisionPolicy`` has the same four fields with the same
+meaning, so every wrapper (and ``apply_mixed_precision``) takes it as it is (``as_policy``); its
+default, ``param_dtype=None``, computes in the parameters' own dtype: no policy.
+
 Single device: ``apply_mixed_precision(model, policy)`` gives every layer a
 ``MixedPrecisionHandler``: the same casts without communication, i.e. the reference that the
 distributed bf16 runs are compared with.
@@ -87,6 +91,49 @@ class MixedPrecisionPolicy:
         return None if dtype is None else cls(dtype, dtype)
 
 
+def as_policy(value: Any) -> Optional[MixedPrecisionPolicy]:
+    """A wrapper's ``mixed_precision`` argument as a ``MixedPrecisionPolicy`` or None.
+
+    Takes ours, None, or FSDP2's ``torch.distributed.fsdp.MixedPrecisionPolicy``, whose fields
+    and meaning are the same, so an FSDP2 script keeps its policy ([Note: mixed precision]):
+    FSDP2's defaults (``param_dtype=None``: compute in the parameters' dtype) mean no policy.
+    Raises TypeError for anything else (FSDP1's ``MixedPrecision``, a dtype, a name), saying
+    what to pass.
+    """
+    if value is None or isinstance(value, MixedPrecisionPolicy):
+        return value
+    fsdp2, fsdp1 = _torch_policy_classes()
+    if fsdp2 is not None and isinstance(value, fsdp2):
+        if value.param_dtype is None:
+            if value.reduce_dtype is None and value.output_dtype is None:
+                return None
+            raise ValueError(
+                f"{value} leaves param_dtype=None (compute in the parameters' dtype) but sets "
+                "other fields; give param_dtype too (torch.float32 to compute in fp32)"
+            )
+        return MixedPrecisionPolicy(
+            value.param_dtype, value.reduce_dtype, value.output_dtype, value.cast_forward_inputs
+        )
+    hint = "MixedPrecisionPolicy(param_dtype=torch.bfloat16) from tiny_fsdp.core"
+    if isinstance(value, str):
+        hint = f"MixedPrecisionPolicy.from_name({value!r}) from tiny_fsdp.core"
+    elif fsdp1 is not None and isinstance(value, fsdp1):
+        hint += (
+            " (FSDP1's MixedPrecision has no counterpart: buffers keep their dtype, gradients "
+            "land in fp32 .grad; FSDP2's MixedPrecisionPolicy is taken as it is)"
+        )
+    raise TypeError(f"mixed_precision must be a policy or None, got {value!r}; pass {hint}")
+
+
+def _torch_policy_classes() -> Tuple[Optional[type], Optional[type]]:
+    """FSDP2's ``MixedPrecisionPolicy`` and FSDP1's ``MixedPrecision`` (None where absent)."""
+    try:
+        from torch.distributed import fsdp
+    except ImportError:  # a build without torch.distributed
+        return None, None
+    return getattr(fsdp, "MixedPrecisionPolicy", None), getattr(fsdp, "MixedPrecision", None)
+
+
 def cast_params(params: Params, dtype: torch.dtype) -> Params:
     """``params`` cast to ``dtype`` (a tensor already of that dtype is returned as is)."""
     return tuple(None if p is None else p.to(dtype) for p in params)
@@ -147,6 +194,9 @@ def apply_mixed_precision(model: nn.Module, policy: MixedPrecisionPolicy) -> nn.
         raise ValueError(
             "apply_mixed_precision needs tiny_fsdp layers: call convert_module(model) first"
         )
+    policy = as_policy(policy)
+    if policy is None:
+        return model  # FSDP2's default policy: nothing to cast
     handler = MixedPrecisionHandler(policy)
     for layer in layers:
         if type(layer.param_handler) is not ParamHandler:

@@ -11,9 +11,9 @@ know from PyTorch DDP / FSDP:
 - ``enable_async_communication`` (bool): overlap communication with computation (prefetch /
   asynchronous reductions; FSDP and ZeRO-3 default to on). Results are identical on and off.
 - ``gradient_checkpointing`` (bool): recompute each block in backward (forwarded to the model).
-- ``mixed_precision`` (``MixedPrecisionPolicy`` or None): layers compute in the policy's dtype,
-  parameters stay fp32 masters ([Note: mixed precision], [Note: DDP mixed precision]); floating
-  inputs are cast on entry.
+- ``mixed_precision`` (``MixedPrecisionPolicy`` or None; FSDP2's policy is taken as well): layers
+  compute in the policy's dtype, parameters stay fp32 masters ([Note: mixed precision], [Note:
+  DDP mixed precision]); floating inputs are cast on entry.
   ``half()`` / ``bfloat16()`` / ``double()`` / ``to(dtype)`` raise and point to the policy
   (``float()`` too, unless it would change nothing).
 - Moves: a wrapper's parameters are tied to the strategy's buffers (flat buffers, shards), so
@@ -63,6 +63,7 @@ from tiny_fsdp.core.module import convert_module
 from tiny_fsdp.core.ownership import TAG_PREFIX, owner_of, tag_owner
 from tiny_fsdp.core.precision import (
     MixedPrecisionPolicy,
+    as_policy,
     check_master_dtypes,
     low_precision_error,
     register_forward_casts,
@@ -118,10 +119,7 @@ class DataParallelWrapper(FullStateDicts, nn.Module):
         super().__init__()
         foreign_optimizers.install()
         announce_exit()  # [Note: arrival check]
-        if mixed_precision is not None and not isinstance(mixed_precision, MixedPrecisionPolicy):
-            raise TypeError(
-                f"mixed_precision must be a MixedPrecisionPolicy or None, got {mixed_precision!r}"
-            )
+        mixed_precision = as_policy(mixed_precision)  # the subclasses read self.mixed_precision
         if self.converts_layers:
             module = convert_module(module, registered_layers)
         self.module = module

@@ -113,8 +113,8 @@ class DDP(ReplicatedWrapper, Joinable):
         self.bucket_cap_mb = bucket_cap_mb
         self.world_size = dist.get_world_size()
         self._cast: Optional[ParamCast] = None
-        if mixed_precision is not None:
-            self._cast = ParamCast(params, mixed_precision.param_dtype)
+        if self.mixed_precision is not None:
+            self._cast = ParamCast(params, self.mixed_precision.param_dtype)
         self._backward: Optional[BucketedBackward] = None
         self._comm_hook: Optional[CommHook] = None
         self._build_buckets()

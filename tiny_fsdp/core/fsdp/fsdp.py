@@ -114,7 +114,7 @@ class FSDP(FetchingWrapper):
             shard_size, shard_rank, reshard_after_forward, prefetch_limit, groups
         )
         super().__init__(module, enable_async_communication, mixed_precision, registered_layers)
-        self._state.policy = mixed_precision
+        self._state.policy = self.mixed_precision
         unset = shard_module(
             self.module, shard_rank, shard_size, device, sync_module_states, groups.shard_group
         )

@@ -91,12 +91,11 @@ class ZeroWrapper(ReplicatedWrapper):
         broadcast_buffers: bool = True,
     ) -> None:
         super().__init__(module, enable_async_communication, mixed_precision, broadcast_buffers)
-        if mixed_precision is not None and mixed_precision.reduce_dtype != (
-            mixed_precision.param_dtype
-        ):
+        policy = self.mixed_precision  # as the base class took it
+        if policy is not None and policy.reduce_dtype != policy.param_dtype:
             raise ValueError(
                 f"{type(self).__name__} reduces gradients in the parameters' dtype: use "
-                f"MixedPrecisionPolicy(param_dtype, reduce_dtype=None), got {mixed_precision}"
+                f"MixedPrecisionPolicy(param_dtype, reduce_dtype=None), got {policy}"
             )
         if self.grad_store is None:
             raise TypeError("instantiate Zero1 or Zero2, not ZeroWrapper")
@@ -119,7 +118,6 @@ class ZeroWrapper(ReplicatedWrapper):
         device = trainable[0][1].device
         # A group per (stored dtype, own dtype): under a policy, parameters of other dtypes
         # share the stored one but keep masters of their own ([Note: ZeRO buckets by dtype]).
-        policy = mixed_precision
         keys = [(p.dtype if policy is None else policy.param_dtype, p.dtype) for p in self.params]
         group_keys = sorted(set(keys), key=str)
         groups = [group_keys.index(key) for key in keys]
@@ -142,11 +140,11 @@ class ZeroWrapper(ReplicatedWrapper):
         self.owned_pieces: Dict[int, Piece] = {pc.index: pc for pc in self.layout.pieces(self.rank)}
         # Mixed precision: this rank's pieces of the fp32 values, the optimizers' masters.
         self._master_shard: Optional[ShardBuffer] = None
-        if mixed_precision is not None:
+        if policy is not None:
             self._master_shard = self._master_pieces_before_cast()
             for _, p in named:
                 if not p.requires_grad:  # frozen: not in the buffer, computes in param_dtype
-                    p.data = p.data.to(mixed_precision.param_dtype)
+                    p.data = p.data.to(policy.param_dtype)
         with torch.no_grad():
             for i, p in enumerate(self.params):
                 self.param_buffer.view(i).copy_(p)

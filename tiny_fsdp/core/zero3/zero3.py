@@ -109,7 +109,7 @@ class Zero3(FetchingWrapper):
             )
             prefetch_limit = prefetch_depth
         rank, world_size = dist.get_rank(), dist.get_world_size()
-        self._runtime = Zero3Runtime(rank, world_size, prefetch_limit, mixed_precision)
+        self._runtime = Zero3Runtime(rank, world_size, prefetch_limit, self.mixed_precision)
         named = list(self.module.named_parameters())  # tied parameters appear once
         if param_part_table is None:
             param_part_table = zero3_partition_tensors(named)[0]
