@@ -82,6 +82,47 @@ def test_output_dtype_and_cast_forward_inputs_under_every_wrapper() -> None:
     assert len(run_distributed(_worker, 2)[0]) == 3 * len(STRATEGIES)
 
 
+class BatchNet(nn.Module):
+    """Takes one batch dict: ``{"x": float, "pair": [int ids, float]}``; records what it got."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.fc1, self.fc2 = nn.Linear(4, 6), nn.Linear(6, 3)
+        self.seen: List[torch.dtype] = []
+
+    def forward(self, batch: dict) -> torch.Tensor:
+        ids, y = batch["pair"]
+        self.seen += [batch["x"].dtype, ids.dtype, y.dtype]
+        return self.fc2(torch.tanh(self.fc1(batch["x"]) + self.fc1(y)))[ids]
+
+
+def _batch_worker(rank: int, world_size: int) -> List[str]:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy as FSDP2Policy, fully_shard
+
+    gen = torch.Generator().manual_seed(rank)
+    batch = {"x": torch.randn(5, 4, generator=gen), "pair": [torch.arange(3), torch.randn(5, 4)]}
+    theirs = BatchNet()
+    mesh = init_device_mesh("cpu", (world_size,))
+    fully_shard(theirs, mesh=mesh, mp_policy=FSDP2Policy(torch.bfloat16))
+    want = theirs(batch)
+    checked = []
+    for strategy in STRATEGIES:
+        model, _ = build(strategy, BatchNet(), None, mixed_precision=MixedPrecisionPolicy())
+        got = model(batch)
+        seen = model.module.seen
+        assert seen == [torch.bfloat16, torch.int64, torch.bfloat16], (strategy, seen)
+        # FSDP2 runs the same bf16 kernels on the same bf16 inputs and weights.
+        assert got.dtype == want.dtype and torch.equal(got, want), (strategy, got, want)
+        checked.append(strategy)
+    return checked
+
+
+def test_floating_inputs_inside_a_batch_dict_or_list_are_cast_as_fsdp2_casts_them() -> None:
+    assert run_distributed(_batch_worker, 2)[0] == list(STRATEGIES)
+
+
 def test_output_dtype_must_be_floating() -> None:
     with pytest.raises(ValueError, match="output_dtype must be a floating-point"):
         MixedPrecisionPolicy(torch.bfloat16, output_dtype=torch.int32)

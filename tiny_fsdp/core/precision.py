@@ -6,8 +6,9 @@ A ``MixedPrecisionPolicy(param_dtype, reduce_dtype)`` given to a strategy wrappe
 - the parameters the module holds (full tensors, shards, owned tensors) stay in their own dtype
   (fp32): they are the master weights, and the optimizer state built from them is fp32 too;
 - ``fetch`` hands the layer its parameters cast to ``param_dtype``, so the layer math (never
-  rewritten) runs in ``param_dtype``; floating-point model inputs are cast to ``param_dtype`` by
-  the wrapper (unless ``cast_forward_inputs=False``), so activations and their gradients are
+  rewritten) runs in ``param_dtype``; floating-point model inputs (also inside the containers
+  they come in) are cast to ``param_dtype`` by the wrapper (unless ``cast_forward_inputs=False``),
+  so activations and their gradients are
   ``param_dtype`` as well, and its floating outputs to ``output_dtype`` if given;
 - gradients come out of the layer in ``param_dtype``, are reduced across ranks in
   ``reduce_dtype`` and autograd accumulates the result into the fp32 ``local_param.grad``
@@ -145,18 +146,18 @@ def cast_grads(grads: Params, dtype: torch.dtype) -> Params:
 
 
 def cast_inputs(args: Tuple[Any, ...], kwargs: dict, dtype: torch.dtype) -> Tuple[tuple, dict]:
-    """Floating-point tensors among ``args`` / ``kwargs`` (top level) cast to ``dtype``.
+    """Floating-point tensors among ``args`` / ``kwargs`` cast to ``dtype``, also inside the
+    tuples, lists, dicts and dataclasses they come in (a batch dict, a list of images), as
+    FSDP2 casts them.
 
     Integer inputs (token ids) are left alone; a layer whose input is already ``dtype`` gets it
     unchanged. Without this, the first ``Linear`` of a model fed fp32 data would mix dtypes.
     """
 
-    def cast(value: Any) -> Any:
-        if isinstance(value, torch.Tensor) and value.is_floating_point():
-            return value.to(dtype)
-        return value
+    def cast(value: torch.Tensor) -> torch.Tensor:
+        return value.to(dtype) if value.is_floating_point() else value
 
-    return tuple(cast(a) for a in args), {k: cast(v) for k, v in kwargs.items()}
+    return map_tensors(args, cast), map_tensors(kwargs, cast)
 
 
 class MixedPrecisionHandler(ParamHandler):
