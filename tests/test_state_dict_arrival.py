@@ -2,9 +2,10 @@
 alone (the torch DDP habit ``if rank == 0: torch.save(model.state_dict(), path)``) issues no
 collective: it waits for the other ranks, warns what it waits for and how to fix the call, and
 raises once the collective timeout has passed; a rank that merely arrives later is waited for in
-silence. A forward without gradients (evaluation, generation) under FSDP / ZeRO-3, and
-``save_checkpoint`` / ``load_checkpoint``, which every rank calls under every strategy, do the
-same ([Note: arrival check] in ``tiny_fsdp/core/utils/arrival.py``).
+silence. A forward without gradients (evaluation, generation) under FSDP / ZeRO-3, one under
+DDP / ZeRO-1/2 that broadcasts the buffers (the first after a training step, on a model with
+BatchNorm), and ``save_checkpoint`` / ``load_checkpoint``, which every rank calls under every
+strategy, do the same ([Note: arrival check] in ``tiny_fsdp/core/utils/arrival.py``).
 """
 
 import os
@@ -94,6 +95,18 @@ def _worker(rank: int, world_size: int) -> List[str]:
                 assert rank or "evaluate and generate on every rank" in message
                 model(torch.randn(2, 4))  # on every rank: fine
             seen.append(wrapper)
+        for wrapper in ("DDP", "Zero1", "Zero2"):
+            torch.manual_seed(0)
+            model = getattr(core, wrapper)(nn.Sequential(nn.Linear(4, 6), nn.BatchNorm1d(6)))
+            model(torch.randn(3, 4)).sum().backward()  # a training step: buffers due
+            with torch.no_grad():
+                forward = f"{wrapper} forward without gradients"
+                message = _on_rank0_alone(rank, forward, lambda: model(torch.randn(2, 4)))
+                assert rank or "model.module(...), on one rank alone" in message
+                if rank == 0:
+                    model.module(torch.randn(2, 4))  # the plain model: no collective
+                model(torch.randn(2, 4))  # on every rank: fine
+            seen.append(wrapper)
         # save_checkpoint gathers under every strategy: on rank 0 alone it raises alike.
         model = core.DDP(_model())
         shared = [os.path.join(tempfile.mkdtemp(), "ckpt")]
@@ -113,7 +126,7 @@ def _worker(rank: int, world_size: int) -> List[str]:
 
 
 def test_a_rank_alone_in_a_gathering_state_dict_waits_warns_and_raises() -> None:
-    seen = ["FSDP", "Zero3", "save_checkpoint", "load_checkpoint"]
+    seen = ["FSDP", "Zero3", "DDP", "Zero1", "Zero2", "save_checkpoint", "load_checkpoint"]
     assert run_distributed(_worker, 2) == [seen] * 2
 
 

@@ -19,7 +19,11 @@ after a ``no_sync`` micro-step does not broadcast: during accumulation each rank
 evolve from rank 0's of the last synchronised step, as in torch. ``broadcast_buffers=False``:
 only at wrap time, then every rank keeps its own. One broadcast per buffer dtype (the buffers
 flattened into one tensor), written back through ``.data``, so an autograd graph that saved a
-buffer is not invalidated by the new version.
+buffer is not invalidated by the new version. A forward without gradients that would broadcast
+(an evaluation right after a training step) first waits for every rank ([Note: arrival
+check]): the torch DDP habit of evaluating on rank 0 alone, which there waits in the broadcast
+until the collective timeout (30 minutes on gloo) with no word, warns after 10 s with the fix
+and raises at the timeout, or at once if the other ranks have exited.
 
 [Note: trainable set after wrapping]
 Freezing or unfreezing parameters after wrapping (``requires_grad_``: a fine-tuning run that
@@ -52,6 +56,7 @@ from torch import nn
 
 from tiny_fsdp.core import comm
 from tiny_fsdp.core.precision import MixedPrecisionPolicy
+from tiny_fsdp.core.utils.arrival import every_rank_arrives
 from tiny_fsdp.core.wrapper import DataParallelWrapper
 
 
@@ -120,12 +125,21 @@ class ReplicatedWrapper(DataParallelWrapper):
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         if self.buffers_due:
+            if not torch.is_grad_enabled():  # maybe an evaluation on rank 0 alone
+                every_rank_arrives(f"{type(self).__name__} forward without gradients", _FIX)
             broadcast_module_buffers(self.module, src=self.buffer_source)
         output = self.module(*args, **kwargs)
         self._sync_buffers_before_forward = (
             torch.is_grad_enabled() and self.require_backward_grad_sync
         )
         return output
+
+
+_FIX = (
+    "After a training step the next forward gives every rank rank 0's buffers (one broadcast, "
+    "as torch's DDP does), so every rank must run it: evaluate on every rank, or call the plain "
+    "model, model.module(...), on one rank alone (no collective)."
+)
 
 
 @torch.no_grad()

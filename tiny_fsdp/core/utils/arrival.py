@@ -8,7 +8,9 @@ gathers while the other ranks run their next step or wait in a barrier: gloo sto
 (a gather of the state dict and a gather of the next forward) may pair up silently.
 
 The same holds for a forward without gradients (evaluation, ``generate``) under FSDP and ZeRO-3,
-which the torch DDP habit runs on rank 0 alone, and for the checkpoint functions. So
+which the torch DDP habit runs on rank 0 alone, for one under DDP and ZeRO-1/2 that broadcasts
+the buffers (the first after a training step: [Note: replicated strategies]), and for the
+checkpoint functions. So
 ``every_rank_arrives(what)`` runs before such a call's first collective: each rank adds one to
 a counter in the rendezvous store, keyed by the call's name and by how many times this process
 made it before (every rank makes the same calls, so the keys agree), and waits until all ranks
