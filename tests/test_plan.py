@@ -470,6 +470,44 @@ def test_plan_model_counts_attention_as_the_device_s_fused_kernel_keeps_it():
         assert plans["ddp"].activation_bytes == real, dropout
 
 
+class _GroupedMoE(nn.Module):
+    """A language model whose one layer of experts (top-1 routing, raw (E, C, H) weights) runs
+    as one grouped matmul, as torchtitan's and transformers' MoE layers run theirs."""
+
+    def __init__(self, vocab: int = 50, width: int = 16, experts: int = 4, hidden: int = 32):
+        super().__init__()
+        self.wte, self.router = nn.Embedding(vocab, width), nn.Linear(width, experts)
+        self.experts = nn.Parameter(torch.randn(experts, width, hidden) / width**0.5)
+        self.head = nn.Linear(hidden, vocab)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        x = self.wte(idx).flatten(0, 1)  # (T, C)
+        expert = self.router(x).argmax(-1)
+        order = expert.argsort()
+        count = torch.histc(
+            expert.float(), bins=len(self.experts), min=0, max=len(self.experts) - 1
+        )
+        h = torch._grouped_mm(x[order], self.experts, offs=count.cumsum(0, dtype=torch.int32))
+        h = torch.empty_like(h).index_copy(0, order, h)  # (T, H), back in token order
+        return self.head(F.gelu(h)).unflatten(0, idx.shape)
+
+
+def test_plan_model_counts_experts_run_as_one_grouped_matmul():
+    """[Note: grouped matmul on meta]: torch's meta kernel of a grouped matmul takes bf16 only,
+    so an fp32 MoE could not be planned. The plan keeps, to the byte, what a CPU forward saves,
+    and counts the products a token makes: one expert's (C x H), not all E experts'."""
+    from tiny_fsdp.plan import module_costs, plan_model
+
+    model = _GroupedMoE()
+    batch = torch.randint(0, 50, (2, 32))
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    real = _saved_bytes(lambda: F.log_softmax(model(batch), -1).sum(), params)
+    assert plan_model(model, "a100_sxm", 2, 2, 32)["ddp"].activation_bytes == real
+    costs = module_costs(model, batch)
+    assert costs.matmul_params == 16 * 4 + 16 * 32 + 32 * 50  # router, one expert, head
+    assert costs.attention_flops_per_token == 0
+
+
 def test_plan_model_takes_the_forward_s_keyword_arguments_or_says_what_to_pass():
     """An input that is not token ids is given as the example (a tensor, (B, T) ids or (B, T, C)
     features, or the forward's keyword arguments); a model that refuses token ids and has no

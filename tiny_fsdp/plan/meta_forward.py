@@ -10,9 +10,19 @@ counts those and returns that layout instead: an error quadratic in the sequence
 otherwise (a LLaMA of width 256 at 512 tokens: +27 %). On CPU an attention with
 dropout falls back to the math kernel (BERT's, in training) and is counted as it runs, as is
 attention written out by hand.
+
+[Note: grouped matmul on meta]
+Mixture-of-experts layers (``transformers``' MoE models, torchtitan's) multiply each token by
+its expert's weight in one ``torch._grouped_mm`` (``F.grouped_mm``), which the CPU runs in any
+dtype but whose meta kernel takes bf16 only, as CUDA's does; their other path (a loop over the
+experts hit) depends on the routing's values, which meta has not. So on meta a grouped matmul
+of another dtype runs in bf16 for the shape of its output, and the forward goes on from a
+tensor of that shape in the input's dtype; what it keeps for backward (its input and the group
+offsets; the weight is a parameter) and its FLOPs (2 x tokens x in x out: each token through
+one expert) are counted as the kernel's.
 """
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable, Dict, List, Mapping, Optional, Tuple, Union
 
 import torch
@@ -28,12 +38,15 @@ class ForwardCosts:
     """What one forward saves for backward, as ``(floating-point elements, other bytes)``:
     ``total``; with every block checkpointed, ``kept`` (what is saved outside the blocks and
     the blocks' inputs; None without blocks) and ``block`` (the largest block's, recomputed);
-    and the forward's FLOPs."""
+    and the forward's FLOPs; ``grouped``: per parameter that grouped matmuls multiply (MoE
+    experts: each token meets its experts' part), by name, those products' FLOPs, part of
+    ``forward_flops`` ([Note: grouped matmul on meta])."""
 
     total: Tuple[int, int]
     kept: Optional[Tuple[int, int]]
     block: Tuple[int, int]
     forward_flops: int
+    grouped: Dict[str, int] = field(default_factory=dict)
 
 
 def measure_forward(
@@ -59,9 +72,7 @@ def measure_forward(
     counting, region = [True], [-1]  # region: the block running, -1 outside
 
     def record(t: torch.Tensor, into: Dict[object, Tuple[int, int, int]]) -> None:
-        base = t
-        while base._base is not None:
-            base = base._base
+        base = _base(t)
         if id(base) not in params and id(base) not in into:
             alive.append(base)
             floating = base.is_floating_point()
@@ -113,9 +124,47 @@ def measure_forward(
             block.register_forward_hook(leave),
         )
     ]
+    extra_flops = [0]  # of the ops the flop counter does not see
+    names = {id(t): name for name, t in state.items()}
+    grouped: Dict[str, int] = {}  # parameter name -> FLOPs of the grouped matmuls with it
+
+    def grouped_mm(matmul, args, kwargs) -> torch.Tensor:
+        """[Note: grouped matmul on meta]."""
+        a, b = args[0], args[1]
+        if not a.is_meta:
+            return matmul(*args, **kwargs)
+        counting[0] = False
+        try:
+            low = [t.to(torch.bfloat16) for t in (a, b)]
+            shape = matmul(*low, *args[2:], **kwargs).shape
+        finally:
+            counting[0] = True
+        offs = args[2] if len(args) > 2 else kwargs.get("offs")
+        for t in (a, b, offs):  # what the kernel saves; record skips the parameters
+            if isinstance(t, torch.Tensor):
+                record(t, seen)
+        k_split = a.dim() == 2 and b.dim() == 2  # groups along K: one product in all
+        product = (
+            2 * a.shape[0] * a.shape[1] * b.shape[1]
+            if k_split
+            else (2 * shape.numel() * a.shape[-1])
+        )
+        extra_flops[0] += product
+        weight = _base(b)
+        if id(weight) in params:
+            name = names[id(weight)]
+            grouped[name] = grouped.get(name, 0) + product
+        dtype = kwargs.get("out_dtype") or a.dtype
+        grad = a.requires_grad or b.requires_grad
+        return torch.empty(shape, dtype=dtype, device="meta", requires_grad=grad)
+
+    intercepts = {F.scaled_dot_product_attention: fused_attention}
+    for matmul in (getattr(F, "grouped_mm", None), getattr(torch, "_grouped_mm", None)):
+        if matmul is not None:
+            intercepts[matmul] = grouped_mm
     flops = FlopCounterMode(display=False)
     try:
-        with _Intercept(F.scaled_dot_product_attention, fused_attention), flops, \
+        with _Intercept(intercepts), flops, \
                 torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):  # fmt: skip
             if isinstance(example_input, Mapping):
                 kwargs = {k: v.to("meta") for k, v in example_input.items()}
@@ -130,28 +179,38 @@ def measure_forward(
         for h in handles:
             h.remove()
 
+    forward_flops = flops.get_total_flops() + extra_flops[0]
+
     def total(entries, where=lambda r: True) -> Tuple[int, int]:
         chosen = [(e, b) for r, e, b in entries if where(r)]
         return sum(e for e, _ in chosen), sum(b for _, b in chosen)
 
     if not blocks:
-        return ForwardCosts(total(seen.values()), None, (0, 0), flops.get_total_flops())
+        return ForwardCosts(total(seen.values()), None, (0, 0), forward_flops, grouped)
     outside = {k: v for k, v in seen.items() if v[0] == -1}
     kept_entries = {**block_inputs, **outside}.values()  # a tensor once
     per_block = [total(seen.values(), lambda r, b=b: r == b) for b in range(len(blocks))]
     return ForwardCosts(
-        total(seen.values()), total(kept_entries), max(per_block), flops.get_total_flops()
+        total(seen.values()), total(kept_entries), max(per_block), forward_flops, grouped
     )
 
 
-class _Intercept(TorchFunctionMode):
-    """Calls ``handler(func, args, kwargs)`` instead of ``func`` while active."""
+def _base(t: torch.Tensor) -> torch.Tensor:
+    """The tensor whose storage ``t`` views (``t`` itself if it is no view)."""
+    while t._base is not None:
+        t = t._base
+    return t
 
-    def __init__(self, func: Callable, handler: Callable) -> None:
+
+class _Intercept(TorchFunctionMode):
+    """Calls ``handlers[func](func, args, kwargs)`` instead of such a ``func`` while active."""
+
+    def __init__(self, handlers: Dict[Callable, Callable]) -> None:
         super().__init__()
-        self.func, self.handler = func, handler
+        self.handlers = handlers
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
-        if func is self.func:
-            return self.handler(func, args, kwargs or {})
+        handler = self.handlers.get(func)
+        if handler is not None:
+            return handler(func, args, kwargs or {})
         return func(*args, **(kwargs or {}))

@@ -166,6 +166,27 @@ def _layers_and_tensors(model: nn.Module):
     return tensors, rows, layers, units, layer_matmul, matmul_shape
 
 
+def _grouped_matmul(
+    model: nn.Module,
+    layers: List[List[int]],
+    tensors: List[int],
+    layer_matmul: List[int],
+    grouped: Dict[str, int],
+    tokens: int,
+) -> List[int]:
+    """``layer_matmul`` with each parameter that grouped matmuls multiply counted by their
+    FLOPs per token instead of its elements ([Note: grouped matmul on meta])."""
+    if not grouped:
+        return layer_matmul
+    by_name = dict(model.named_parameters(remove_duplicate=False))
+    index = {id(p): i for i, p in enumerate(model.parameters())}
+    per_token = {index[id(by_name[n])]: round(f / (2 * tokens)) for n, f in grouped.items()}
+    return [
+        m + sum(per_token[i] - tensors[i] for i in layer if i in per_token)
+        for m, layer in zip(layer_matmul, layers)
+    ]
+
+
 def gpt2_costs(config: GPTConfig, name: str = "gpt2") -> ModelCosts:
     """``ModelCosts`` of ``GPT2Model(config)``, built on ``meta`` ([Note: model costs])."""
     with torch.device("meta"):
@@ -219,6 +240,9 @@ def module_costs(
         tokens = batch * seq_len
         act, block = (tuple(x / tokens for x in pair) for pair in (saved.total, saved.block))
         kept = None if saved.kept is None else tuple(x / tokens for x in saved.kept)
+        # Experts multiplied by grouped matmuls: a token meets its experts' part of the weight.
+        layer_matmul = _grouped_matmul(model, layers, tensors, layer_matmul, saved.grouped, tokens)
+        matmul = sum(layer_matmul)
         # Matrix products of no layer's own weight (attention, a tied head), as attention's
         # term of ``flops``: per token and sequence position.
         other_flops = max(0.0, saved.forward_flops - 2.0 * matmul * tokens) / (tokens * seq_len)
