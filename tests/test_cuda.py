@@ -266,6 +266,37 @@ def test_ddp_takes_torch_device_ids_and_moves_inputs() -> None:
     run_distributed(_ddp_takes_torch_device_ids, 1, backend="nccl")
 
 
+class _BatchLM(nn.Module):
+    """A GPT-2 called with a batch dict, ``{"idx": ids}``."""
+
+    def __init__(self, inner: nn.Module) -> None:
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, batch: dict) -> torch.Tensor:
+        return self.inner(batch["idx"])
+
+
+def _sharded_move_inputs(rank: int, world_size: int) -> None:
+    device = torch.device("cuda", 0)
+    reference = make_model(0).to(device)
+    x, y = global_batch(0, 2, 8, reference.config.vocab_size)  # on the CPU
+    want = reference(x.to(device))
+    for strategy in ("zero3", "fsdp"):
+        model, _ = _wrap(strategy, _BatchLM(copy.deepcopy(reference)), world_size)
+        logits = model({"idx": x})  # moved to the GPU, as FSDP2's root moves them
+        assert logits.device == device, strategy
+        # The same computation; fp32's default tolerance covers another kernel choice.
+        torch.testing.assert_close(logits, want)
+        lm_loss(logits, y.to(device)).backward()
+
+
+def test_fsdp_and_zero3_move_inputs_to_their_gpu_as_fsdp2_does() -> None:
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    run_distributed(_sharded_move_inputs, 1, backend="nccl")
+
+
 # ------------------------------------------------------------ several ranks on one GPU (gloo)
 
 GLOO_STEPS = 3

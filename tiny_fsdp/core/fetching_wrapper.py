@@ -7,7 +7,9 @@ after ([Note: param handler]), in an order the strategy's ``Prefetcher`` records
 ahead of ([Note: prefetch]). What the two wrappers share is written here: the forward brackets
 the model call with the prefetcher's ``pre_forward`` / ``post_forward`` and watches parameters
 read outside their layer ([Note: outside reads]), and warns of those read outside the forward
-([Note: parameters in the loss]).
+([Note: parameters in the loss]). On a GPU the forward moves the tensors it is given there
+first (also inside dicts, lists and dataclasses), as FSDP2's root does and torch's DDP with
+``device_ids``: a batch left on the CPU trains as one moved by hand.
 """
 
 import math
@@ -27,6 +29,7 @@ from tiny_fsdp.core.unit_module import watch_unit_module
 from tiny_fsdp.core.unit_state import UnitState
 from tiny_fsdp.core.wrapper import DataParallelWrapper
 from tiny_fsdp.core.utils.eager import eager
+from tiny_fsdp.core.utils.tree import map_tensors
 from tiny_fsdp.core.wrap_checks import check_no_param_hooks
 
 
@@ -39,13 +42,16 @@ class FetchingWrapper(DataParallelWrapper):
         unit: UnitSpec,
         make_unit: Callable[..., FullUnit],
         make_grads: Callable[..., UnitGradients],
+        device: torch.device,
         unset: Sequence[str] = (),
     ) -> None:
         """The last step of a subclass's ``__init__``: lay the layers out in units
         (``unit_layout.py``), give each unit its gradients and each layer a ``UnitHandler``
         ([Note: unit handler]). ``make_unit`` / ``make_grads`` take ``(name, layers, state,
-        per_tensor)``; ``unset``: paths of the tensors the model's init method is to set
-        ([Note: tensors the model's init method sets])."""
+        per_tensor)``; ``device``: where the layers compute (inputs move there unless it is
+        the CPU); ``unset``: paths of the tensors the model's init method is to set ([Note:
+        tensors the model's init method sets])."""
+        self.input_device = None if device.type == "cpu" else device
         per_tensor = isinstance(unit, str) and unit == "tensor"
 
         def full_numel(param: torch.Tensor) -> int:  # the same on every rank
@@ -98,6 +104,9 @@ class FetchingWrapper(DataParallelWrapper):
                 self._named_params = list(self.module.named_parameters())
             check_no_param_hooks(self._named_params, type(self).__name__)
             self._prefetcher.grad_watch.note_grads()  # [Note: parameters in the loss]
+        if self.input_device is not None:
+            device = self.input_device
+            args, kwargs = map_tensors((args, kwargs), lambda t: t.to(device, non_blocking=True))
         self._prefetcher.pre_forward(self.enable_async_communication, torch.is_grad_enabled())
         try:
             return self._reads(lambda: self.module(*args, **kwargs))  # [Note: outside reads]

@@ -122,7 +122,7 @@ class FSDP(FetchingWrapper):
         shard_device = next((p.device for p in self.module.parameters()), torch.device("cpu"))
         communicates = shard_size > 1 or groups.replicate_group is not None
         self._state.use_streams(streams.streams_for(shard_device, communicates))
-        self.build_units(self._state, unit, GatherUnit, ReduceScatterGrads, unset)
+        self.build_units(self._state, unit, GatherUnit, ReduceScatterGrads, shard_device, unset)
 
     # A switch the handlers read during backward lives in the shared state.
     @property

@@ -123,11 +123,11 @@ class Zero3(FetchingWrapper):
                 "evenness_priority)"
             )
         self.param_part_table = param_part_table
-        self.device = _choose_device(param_part_table, named, rank)  # move inputs here
+        self.device = _choose_device(param_part_table, named, rank)
         unset = self._materialize(named, self.device, sync_module_states)
         self.claim(self.module.parameters())  # meta parameters were replaced by new objects
         self._runtime.use_streams(streams.streams_for(self.device, dist.get_world_size() > 1))
-        self.build_units(self._runtime, unit, BroadcastUnit, ReduceToOwnerGrads, unset)
+        self.build_units(self._runtime, unit, BroadcastUnit, ReduceToOwnerGrads, self.device, unset)
 
     def transient_bytes(self) -> Dict[str, int]:
         """Bytes of fetched (non-owned) parameter buffers and of reductions in flight now (read
