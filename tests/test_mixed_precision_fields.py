@@ -82,14 +82,8 @@ def test_output_dtype_and_cast_forward_inputs_under_every_wrapper() -> None:
     assert len(run_distributed(_worker, 2)[0]) == 3 * len(STRATEGIES)
 
 
-class BatchNet(nn.Module):
-    """Takes one batch dict: ``{"x": float, "pair": [int ids, float]}``; records what it got."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        torch.manual_seed(0)
-        self.fc1, self.fc2 = nn.Linear(4, 6), nn.Linear(6, 3)
-        self.seen: List[torch.dtype] = []
+class BatchNet(Net):
+    """``Net`` called with one batch dict: ``{"x": float, "pair": [int ids, float]}``."""
 
     def forward(self, batch: dict) -> torch.Tensor:
         ids, y = batch["pair"]

@@ -29,7 +29,6 @@ from tiny_fsdp.core.unit_module import watch_unit_module
 from tiny_fsdp.core.unit_state import UnitState
 from tiny_fsdp.core.wrapper import DataParallelWrapper
 from tiny_fsdp.core.utils.eager import eager
-from tiny_fsdp.core.utils.tree import map_tensors
 from tiny_fsdp.core.wrap_checks import check_no_param_hooks
 
 
@@ -104,9 +103,7 @@ class FetchingWrapper(DataParallelWrapper):
                 self._named_params = list(self.module.named_parameters())
             check_no_param_hooks(self._named_params, type(self).__name__)
             self._prefetcher.grad_watch.note_grads()  # [Note: parameters in the loss]
-        if self.input_device is not None:
-            device = self.input_device
-            args, kwargs = map_tensors((args, kwargs), lambda t: t.to(device, non_blocking=True))
+        args, kwargs = self.inputs_to_device(args, kwargs)
         self._prefetcher.pre_forward(self.enable_async_communication, torch.is_grad_enabled())
         try:
             return self._reads(lambda: self.module(*args, **kwargs))  # [Note: outside reads]

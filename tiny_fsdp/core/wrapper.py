@@ -73,6 +73,7 @@ from tiny_fsdp.core.utils.arrival import announce_exit, every_rank_arrives
 from tiny_fsdp.core.utils.dist import check_backend_device, require_process_group
 from tiny_fsdp.core.utils.lockstep import mark_lockstep
 from tiny_fsdp.core.utils.recompute import gradient_checkpointing, set_gradient_checkpointing
+from tiny_fsdp.core.utils.tree import map_tensors
 from tiny_fsdp.core.wrap_checks import (
     check_module,
     check_no_max_norm_embeddings,
@@ -106,6 +107,9 @@ class DataParallelWrapper(FullStateDicts, nn.Module):
     #: optimizers of other libraries]): "replicas", "flat_buffer", "dim0_shards" or
     #: "owned_tensors".
     local_params: str = "replicas"
+    #: Where the forward moves the tensors it is given (None: where they are): DDP's
+    #: ``device_ids``, the GPU FSDP's and ZeRO-3's layers compute on (as FSDP2's root).
+    input_device: Optional[torch.device] = None
 
     def __init__(
         self,
@@ -145,6 +149,14 @@ class DataParallelWrapper(FullStateDicts, nn.Module):
             check_no_shared_storage(self.module, what)
         check_same_model_on_all_ranks(self.module, what)
         self.claim(param for _, param in named)
+
+    def inputs_to_device(self, args: tuple, kwargs: dict) -> Tuple[tuple, dict]:
+        """``args`` / ``kwargs`` with every tensor (also inside containers) on
+        ``input_device``, or as they are if it is None."""
+        device = self.input_device
+        if device is None:
+            return args, kwargs
+        return map_tensors((args, kwargs), lambda t: t.to(device, non_blocking=True))
 
     def claim(self, params: Any) -> None:
         """Tag ``params`` as managed by this wrapper (also new objects made at wrap time)."""

@@ -39,7 +39,6 @@ from tiny_fsdp.core.ownership import owner_of
 from tiny_fsdp.core.precision import MixedPrecisionPolicy
 from tiny_fsdp.core.replicated import ReplicatedWrapper, broadcast_module_buffers
 from tiny_fsdp.core.sparse_grads import sparse_grad_params
-from tiny_fsdp.core.utils.tree import map_tensors
 from tiny_fsdp.core.wrap_checks import check_module
 
 
@@ -229,9 +228,7 @@ class DDP(ReplicatedWrapper, Joinable):
         self.follow_trainable_set()  # before the compute copies: buckets take master dtypes
         if self._join_config.enable and self._join_hook is not None:
             self._join_hook.begin_iteration()  # inside join(): [Note: DDP join]
-        if self.input_device is not None:
-            device = self.input_device
-            args, kwargs = map_tensors((args, kwargs), lambda t: t.to(device, non_blocking=True))
+        args, kwargs = self.inputs_to_device(args, kwargs)
         if self._cast is None:
             return super().forward(*args, **kwargs)
         self._cast.to_compute()  # until the end of backward ([Note: DDP mixed precision])
