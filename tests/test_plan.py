@@ -418,11 +418,20 @@ def test_the_cli_plans_gradient_checkpointing_of_a_transformers_model():
 
 
 class _AttentionLM(nn.Module):
-    """One causal self-attention through ``F.scaled_dot_product_attention``, as LLaMA's."""
+    """One causal self-attention through ``F.scaled_dot_product_attention``, as LLaMA's: q, k, v
+    views of (B, L, H, D) memory; with ``contiguous_heads`` made (B, H, L, D) contiguous first,
+    as DeepSeek-V3's attention concatenates its rotary and plain parts."""
 
-    def __init__(self, vocab: int = 50, width: int = 16, heads: int = 2, dropout: float = 0.0):
+    def __init__(
+        self,
+        vocab: int = 50,
+        width: int = 16,
+        heads: int = 2,
+        dropout: float = 0.0,
+        contiguous_heads: bool = False,
+    ):
         super().__init__()
-        self.heads, self.dropout = heads, dropout
+        self.heads, self.dropout, self.contiguous_heads = heads, dropout, contiguous_heads
         self.wte, self.qkv = nn.Embedding(vocab, width), nn.Linear(width, 3 * width)
         self.proj, self.head = nn.Linear(width, width), nn.Linear(width, vocab)
 
@@ -433,6 +442,8 @@ class _AttentionLM(nn.Module):
             h.view(b, t, self.heads, c // self.heads).transpose(1, 2)
             for h in self.qkv(x).split(c, dim=-1)
         )
+        if self.contiguous_heads:
+            q, k, v = (h.contiguous() for h in (q, k, v))
         y = F.scaled_dot_product_attention(q, k, v, dropout_p=self.dropout, is_causal=True)
         return self.head(x + self.proj(y.transpose(1, 2).reshape(b, t, c)))
 
@@ -457,28 +468,37 @@ def test_plan_model_counts_attention_as_the_device_s_fused_kernel_keeps_it():
     """[Note: attention on meta]: on meta, scaled_dot_product_attention keeps its (B, H, L, L)
     scores; the kernels real devices pick keep the inputs, output and log-sum-exp. The plan
     is, to the byte, what a CPU forward saves: with the fused kernel without dropout (what CUDA uses
-    with or without), with the math kernel for dropout on a CPU (gloo) calibration."""
+    with or without), with the math kernel for dropout on a CPU (gloo) calibration. The fused
+    kernel writes its output laid out as the query is, so with (B, H, L, D) contiguous heads the
+    ``transpose(1, 2).reshape`` after it is a copy, kept by the projection."""
     from tiny_fsdp.plan import plan_model
 
     batch = torch.randint(0, 50, (2, 64))
     gloo = dataclasses.replace(load_calibration("a100_sxm"), backend="gloo")
-    for dropout, calibration in ((0.0, "a100_sxm"), (0.0, gloo), (0.1, gloo)):
-        model = _AttentionLM(dropout=dropout)
+    for dropout, calibration, contiguous_heads in (
+        (0.0, "a100_sxm", False),
+        (0.0, gloo, False),
+        (0.1, gloo, False),
+        (0.0, "a100_sxm", True),
+        (0.0, gloo, True),
+    ):
+        model = _AttentionLM(dropout=dropout, contiguous_heads=contiguous_heads)
         params = {p.untyped_storage().data_ptr() for p in model.parameters()}
         real = _saved_bytes(lambda: F.log_softmax(model(batch), -1).sum(), params)
         plans = plan_model(model, calibration, 2, 2, 64)
-        assert plans["ddp"].activation_bytes == real, dropout
+        assert plans["ddp"].activation_bytes == real, (dropout, contiguous_heads)
 
 
 class _GroupedMoE(nn.Module):
     """A language model whose one layer of experts (top-1 routing, raw (E, C, H) weights) runs
-    as one grouped matmul, as torchtitan's and transformers' MoE layers run theirs."""
+    as one grouped matmul, as torchtitan's and transformers' MoE layers run theirs, and adds a
+    bias to its output in place, as GPT-OSS's experts do."""
 
     def __init__(self, vocab: int = 50, width: int = 16, experts: int = 4, hidden: int = 32):
         super().__init__()
         self.wte, self.router = nn.Embedding(vocab, width), nn.Linear(width, experts)
         self.experts = nn.Parameter(torch.randn(experts, width, hidden) / width**0.5)
-        self.head = nn.Linear(hidden, vocab)
+        self.shift, self.head = nn.Parameter(torch.zeros(hidden)), nn.Linear(hidden, vocab)
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
         x = self.wte(idx).flatten(0, 1)  # (T, C)
@@ -488,6 +508,7 @@ class _GroupedMoE(nn.Module):
             expert.float(), bins=len(self.experts), min=0, max=len(self.experts) - 1
         )
         h = torch._grouped_mm(x[order], self.experts, offs=count.cumsum(0, dtype=torch.int32))
+        h.add_(self.shift)
         h = torch.empty_like(h).index_copy(0, order, h)  # (T, H), back in token order
         return self.head(F.gelu(h)).unflatten(0, idx.shape)
 

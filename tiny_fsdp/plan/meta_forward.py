@@ -4,12 +4,16 @@
 On ``meta``, ``F.scaled_dot_product_attention`` runs its math fallback, which keeps the
 (B, H, L, L) scores for backward; the fused kernels every real device picks (flash and
 memory-efficient attention on CUDA, flash on CPU) keep their inputs, the output and an fp32
-log-sum-exp of (B, H, L), and write their output laid out as (B, L, H, D), so that the usual
-``y.transpose(1, 2).reshape(B, L, H * D)`` is a view of it, not a copy. So the meta forward
-counts those and returns that layout instead: an error quadratic in the sequence length
-otherwise (a LLaMA of width 256 at 512 tokens: +27 %). On CPU an attention with
-dropout falls back to the math kernel (BERT's, in training) and is counted as it runs, as is
-attention written out by hand.
+log-sum-exp of (B, H, L). So the meta forward counts those instead: an error quadratic in the
+sequence length otherwise (a LLaMA of width 256 at 512 tokens: +27 %).
+
+The flash kernels lay their output out in the order of the query's strides: (B, L, H, D) for
+heads split by ``view(B, L, H, D).transpose(1, 2)``, so that the usual ``y.transpose(1, 2)
+.reshape(B, L, H * D)`` is a view; (B, H, L, D) for contiguous heads (DeepSeek-V3's), where
+that reshape is a copy the next layer keeps. CUDA's memory-efficient kernel, taken for a mask,
+writes (B, L, H, D) always. The meta forward returns its output so laid out. On CPU an
+attention with dropout falls back to the math kernel (BERT's, in training) and is counted as
+it runs, as is attention written out by hand.
 
 [Note: grouped matmul on meta]
 Mixture-of-experts layers (``transformers``' MoE models, torchtitan's) multiply each token by
@@ -88,15 +92,20 @@ def measure_forward(
         dropout = args[4] if len(args) > 4 else kwargs.get("dropout_p", 0.0)
         if device_type == "cpu" and dropout > 0:  # CPU's flash kernel has no dropout
             return attention(*args, **kwargs)
+        names = ("query", "key", "value", "attn_mask")
+        inputs = [*args[:4], *(kwargs[n] for n in names[len(args[:4]) :] if n in kwargs)]
+        query, masked = inputs[0], len(inputs) > 3 and inputs[3] is not None
         counting[0] = False
         try:
             out = attention(*args, **kwargs)
-            if out.dim() == 4:  # laid out (B, L, H, D) as the fused kernels write it
-                out = out.transpose(1, 2).contiguous().transpose(1, 2)
+            if out.dim() == 4:  # laid out as the kernel writes it
+                as_query = device_type == "cpu" or not masked
+                if not as_query or query.stride(1) < query.stride(2):  # (B, L, H, D)
+                    out = out.transpose(1, 2).contiguous().transpose(1, 2)
+                else:
+                    out = out.contiguous()
         finally:
             counting[0] = True
-        names = ("query", "key", "value", "attn_mask")
-        inputs = [*args[:4], *(kwargs[n] for n in names[len(args[:4]) :] if n in kwargs)]
         for t in [*inputs, out]:
             if isinstance(t, torch.Tensor):
                 record(t, seen)
@@ -155,8 +164,10 @@ def measure_forward(
             name = names[id(weight)]
             grouped[name] = grouped.get(name, 0) + product
         dtype = kwargs.get("out_dtype") or a.dtype
-        grad = a.requires_grad or b.requires_grad
-        return torch.empty(shape, dtype=dtype, device="meta", requires_grad=grad)
+        out = torch.empty(shape, dtype=dtype, device="meta")
+        if a.requires_grad or b.requires_grad:  # not a leaf: GPT-OSS adds its biases in place
+            out = out.requires_grad_().clone()
+        return out
 
     intercepts = {F.scaled_dot_product_attention: fused_attention}
     for matmul in (getattr(F, "grouped_mm", None), getattr(torch, "_grouped_mm", None)):
