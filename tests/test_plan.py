@@ -418,9 +418,11 @@ def test_the_cli_plans_gradient_checkpointing_of_a_transformers_model():
 
 
 class _AttentionLM(nn.Module):
-    """One causal self-attention through ``F.scaled_dot_product_attention``, as LLaMA's: q, k, v
-    views of (B, L, H, D) memory; with ``contiguous_heads`` made (B, H, L, D) contiguous first,
-    as DeepSeek-V3's attention concatenates its rotary and plain parts."""
+    """One causal self-attention through ``F.scaled_dot_product_attention``, of a ``kind``:
+    ``"split"``, q, k, v views of (B, L, H, D) memory, as LLaMA's; ``"contiguous"``, made
+    (B, H, L, D) contiguous first, as DeepSeek-V3's attention concatenates its rotary and plain
+    parts; ``"one_kv_head"``, one key and value head for all query heads, broadcast, as
+    Falcon's; ``"learned_bias"``, a learned additive mask, as T5's relative position bias."""
 
     def __init__(
         self,
@@ -428,23 +430,30 @@ class _AttentionLM(nn.Module):
         width: int = 16,
         heads: int = 2,
         dropout: float = 0.0,
-        contiguous_heads: bool = False,
+        kind: str = "split",
     ):
         super().__init__()
-        self.heads, self.dropout, self.contiguous_heads = heads, dropout, contiguous_heads
-        self.wte, self.qkv = nn.Embedding(vocab, width), nn.Linear(width, 3 * width)
+        self.heads, self.dropout, self.kind = heads, dropout, kind
+        kv_width = width // heads if kind == "one_kv_head" else width
+        self.wte, self.qkv = nn.Embedding(vocab, width), nn.Linear(width, width + 2 * kv_width)
         self.proj, self.head = nn.Linear(width, width), nn.Linear(width, vocab)
+        self.bias = nn.Parameter(torch.zeros(1, heads, 64, 64)) if kind == "learned_bias" else None
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
         x = self.wte(idx)
         b, t, c = x.shape
+        d = c // self.heads
+        kv_width = (self.qkv.out_features - c) // 2
         q, k, v = (
-            h.view(b, t, self.heads, c // self.heads).transpose(1, 2)
-            for h in self.qkv(x).split(c, dim=-1)
+            h.view(b, t, -1, d).transpose(1, 2)
+            for h in self.qkv(x).split([c, kv_width, kv_width], dim=-1)
         )
-        if self.contiguous_heads:
+        if self.kind == "contiguous":
             q, k, v = (h.contiguous() for h in (q, k, v))
-        y = F.scaled_dot_product_attention(q, k, v, dropout_p=self.dropout, is_causal=True)
+        if self.bias is None:
+            y = F.scaled_dot_product_attention(q, k, v, dropout_p=self.dropout, is_causal=True)
+        else:
+            y = F.scaled_dot_product_attention(q, k, v, self.bias[..., :t, :t])
         return self.head(x + self.proj(y.transpose(1, 2).reshape(b, t, c)))
 
 
@@ -467,26 +476,32 @@ def test_plan_model_lays_units_out_as_the_strategies_do():
 def test_plan_model_counts_attention_as_the_device_s_fused_kernel_keeps_it():
     """[Note: attention on meta]: on meta, scaled_dot_product_attention keeps its (B, H, L, L)
     scores; the kernels real devices pick keep the inputs, output and log-sum-exp. The plan
-    is, to the byte, what a CPU forward saves: with the fused kernel without dropout (what CUDA uses
-    with or without), with the math kernel for dropout on a CPU (gloo) calibration. The fused
-    kernel writes its output laid out as the query is, so with (B, H, L, D) contiguous heads the
-    ``transpose(1, 2).reshape`` after it is a copy, kept by the projection."""
+    is, to the byte, what a CPU forward saves:
+    - with the fused kernel without dropout (what CUDA uses with or without);
+    - with the math kernel where the CPU takes it (gloo calibration): for dropout, for a mask
+      that takes a gradient;
+    - with the math kernel on either device for one key and value head broadcast to all;
+    - with the output of the fused kernel laid out as the query is, so that contiguous
+      (B, H, L, D) heads make the ``transpose(1, 2).reshape`` after it a copy, kept."""
     from tiny_fsdp.plan import plan_model
 
     batch = torch.randint(0, 50, (2, 64))
     gloo = dataclasses.replace(load_calibration("a100_sxm"), backend="gloo")
-    for dropout, calibration, contiguous_heads in (
-        (0.0, "a100_sxm", False),
-        (0.0, gloo, False),
-        (0.1, gloo, False),
-        (0.0, "a100_sxm", True),
-        (0.0, gloo, True),
+    for dropout, calibration, kind in (
+        (0.0, "a100_sxm", "split"),
+        (0.0, gloo, "split"),
+        (0.1, gloo, "split"),
+        (0.0, "a100_sxm", "contiguous"),
+        (0.0, gloo, "contiguous"),
+        (0.0, "a100_sxm", "one_kv_head"),
+        (0.0, gloo, "one_kv_head"),
+        (0.0, gloo, "learned_bias"),
     ):
-        model = _AttentionLM(dropout=dropout, contiguous_heads=contiguous_heads)
+        model = _AttentionLM(dropout=dropout, kind=kind)
         params = {p.untyped_storage().data_ptr() for p in model.parameters()}
         real = _saved_bytes(lambda: F.log_softmax(model(batch), -1).sum(), params)
         plans = plan_model(model, calibration, 2, 2, 64)
-        assert plans["ddp"].activation_bytes == real, (dropout, contiguous_heads)
+        assert plans["ddp"].activation_bytes == real, (dropout, kind)
 
 
 class _GroupedMoE(nn.Module):
@@ -530,9 +545,9 @@ def test_plan_model_counts_experts_run_as_one_grouped_matmul():
 
 
 def test_plan_model_takes_the_forward_s_keyword_arguments_or_says_what_to_pass():
-    """An input that is not token ids is given as the example (a tensor, (B, T) ids or (B, T, C)
-    features, or the forward's keyword arguments); a model that refuses token ids and has no
-    example is a clear error, not activations of 0."""
+    """An input that is not token ids is given as the example (a tensor, or the forward's
+    keyword arguments): (B, T) ids, or B samples of seq_len tokens (features, images); a model
+    that refuses token ids and has no example is a clear error, not activations of 0."""
     from tests.zoo import ZooLM
     from tiny_fsdp.plan import plan_model
 
@@ -550,6 +565,12 @@ def test_plan_model_takes_the_forward_s_keyword_arguments_or_says_what_to_pass()
     conv = nn.Sequential(nn.Conv2d(3, 8, 3), nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(8, 2))
     with pytest.raises(ValueError, match=r"token ids of shape \(2, 16\).*Pass example_input="):
         plan_model(conv, "a100_sxm", 4, 2, 16)
+    # Images (B, 3, H, W): B samples of seq_len tokens each, here 1 (a ViT's: its patches).
+    images = torch.randn(2, 3, 8, 8)
+    params = {p.untyped_storage().data_ptr() for p in conv.parameters()}
+    real = _saved_bytes(lambda: F.log_softmax(conv(images), -1).sum(), params)
+    plans = plan_model(conv, "a100_sxm", 4, 2, 1, example_input=images)
+    assert plans["ddp"].activation_bytes == real
     with pytest.raises(TypeError, match="calibration must be a Calibration, a preset name"):
         plan_model(model, 3, 4, 2, 16)
 

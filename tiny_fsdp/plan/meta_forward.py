@@ -11,9 +11,12 @@ The flash kernels lay their output out in the order of the query's strides: (B, 
 heads split by ``view(B, L, H, D).transpose(1, 2)``, so that the usual ``y.transpose(1, 2)
 .reshape(B, L, H * D)`` is a view; (B, H, L, D) for contiguous heads (DeepSeek-V3's), where
 that reshape is a copy the next layer keeps. CUDA's memory-efficient kernel, taken for a mask,
-writes (B, L, H, D) always. The meta forward returns its output so laid out. On CPU an
-attention with dropout falls back to the math kernel (BERT's, in training) and is counted as
-it runs, as is attention written out by hand.
+writes (B, L, H, D) always. The meta forward returns its output so laid out.
+
+Where the device runs the math kernel, it is counted as it runs, as is attention written out
+by hand: on the CPU where torch's own choice, asked of stand-ins, takes it (dropout, BERT's in
+training; a mask that takes a gradient, T5's position bias); on either device for key and
+value heads broadcast to the query's without ``enable_gqa`` (Falcon's one head).
 
 [Note: grouped matmul on meta]
 Mixture-of-experts layers (``transformers``' MoE models, torchtitan's) multiply each token by
@@ -33,6 +36,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.func import functional_call
+from torch.nn.attention import SDPBackend
 from torch.overrides import TorchFunctionMode
 from torch.utils.flop_counter import FlopCounterMode
 
@@ -89,12 +93,11 @@ def measure_forward(
 
     def fused_attention(attention, args, kwargs) -> torch.Tensor:
         """[Note: attention on meta]: what a fused kernel keeps, not the math fallback's."""
-        dropout = args[4] if len(args) > 4 else kwargs.get("dropout_p", 0.0)
-        if device_type == "cpu" and dropout > 0:  # CPU's flash kernel has no dropout
+        given = {**dict(zip(_SDPA_ARGS, args)), **kwargs}
+        if not _runs_fused(device_type, given):
             return attention(*args, **kwargs)
-        names = ("query", "key", "value", "attn_mask")
-        inputs = [*args[:4], *(kwargs[n] for n in names[len(args[:4]) :] if n in kwargs)]
-        query, masked = inputs[0], len(inputs) > 3 and inputs[3] is not None
+        inputs = [given[n] for n in _SDPA_ARGS[:4] if n in given]
+        query, masked = inputs[0], given.get("attn_mask") is not None
         counting[0] = False
         try:
             out = attention(*args, **kwargs)
@@ -204,6 +207,31 @@ def measure_forward(
     return ForwardCosts(
         total(seen.values()), total(kept_entries), max(per_block), forward_flops, grouped
     )
+
+
+_SDPA_ARGS = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
+
+
+def _runs_fused(device_type: str, given: Dict[str, object]) -> bool:
+    """Whether ``device_type`` runs ``F.scaled_dot_product_attention(**given)`` in a fused kernel
+    ([Note: attention on meta]). The CPU: torch's own choice, asked of stand-ins one position
+    long (it reads dtypes, heads, head sizes, dropout, whether the mask takes a gradient). CUDA:
+    flash or memory-efficient attention, unless key and value have other heads than the query
+    without ``enable_gqa`` (Falcon's one head, broadcast), which only the math kernel runs."""
+    query, key, value = given["query"], given["key"], given["value"]
+    if device_type != "cpu":
+        heads = {t.shape[1] if t.dim() == 4 else None for t in (query, key, value)}
+        return len(heads) == 1 or bool(given.get("enable_gqa", False))
+
+    def stand_in(t: object, sequence_dims: Tuple[int, ...]) -> object:
+        if not isinstance(t, torch.Tensor):
+            return t
+        shape = [1 if d - t.dim() in sequence_dims else n for d, n in enumerate(t.shape)]
+        return torch.empty(shape, dtype=t.dtype).requires_grad_(t.requires_grad)
+
+    # (..., L, D) inputs, a (..., L, S) mask: one position each
+    stand_ins = {n: stand_in(t, (-2, -1) if n == "attn_mask" else (-2,)) for n, t in given.items()}
+    return torch._fused_sdp_choice(**stand_ins) != int(SDPBackend.MATH)
 
 
 def _base(t: torch.Tensor) -> torch.Tensor:

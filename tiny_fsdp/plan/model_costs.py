@@ -218,13 +218,15 @@ def module_costs(
     example_input: Union[torch.Tensor, Mapping[str, torch.Tensor], None] = None,
     name: Optional[str] = None,
     device_type: str = "cuda",
+    seq_len: Optional[int] = None,
 ) -> ModelCosts:
     """``ModelCosts`` of any module. A ``GPT2Model`` uses its config; another model's
-    activations come from one forward on ``meta`` of ``example_input``: ``(B, T)`` token ids or
-    ``(B, T, C)`` features, or the forward's keyword arguments (``{"input_ids": ...,
-    "decoder_input_ids": ...}``) whose first is such; divided by B T per token, as
-    ``device_type``'s attention kernels keep them ([Note: model costs], [Note: attention on
-    meta]). Without an input they are unknown (0)."""
+    activations come from one forward on ``meta`` of ``example_input``: a tensor or the
+    forward's keyword arguments (``{"input_ids": ..., "decoder_input_ids": ...}``), whose first
+    is ``(B, T)`` token ids or else B samples of ``seq_len`` tokens each (images, audio; without
+    ``seq_len``, ``(B, T, C)`` features); divided by those B T tokens, as ``device_type``'s
+    attention kernels keep them ([Note: model costs], [Note: attention on meta]). Without an
+    input they are unknown (0)."""
     name = name or type(model).__name__
     config = getattr(model, "config", None)
     if isinstance(model, GPT2Model) and isinstance(config, GPTConfig):
@@ -236,7 +238,10 @@ def module_costs(
         saved = measure_forward(model, example_input, device_type)
         inputs = example_input.values() if isinstance(example_input, Mapping) else [example_input]
         first = next(iter(inputs))
-        batch, seq_len = (tuple(first.shape[:2]) + (1, 1))[:2]  # (B, T) ids or (B, T, C) features
+        if seq_len is None or (first.dim() == 2 and not first.is_floating_point()):
+            batch, seq_len = (tuple(first.shape[:2]) + (1, 1))[:2]  # (B, T) ids, (B, T, C)
+        else:  # a ViT's (B, 3, H, W) images: B samples of seq_len tokens (patches)
+            batch = first.shape[0] if first.dim() else 1
         tokens = batch * seq_len
         act, block = (tuple(x / tokens for x in pair) for pair in (saved.total, saved.block))
         kept = None if saved.kept is None else tuple(x / tokens for x in saved.kept)

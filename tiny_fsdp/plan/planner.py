@@ -146,8 +146,9 @@ def plan_model(
 ) -> Dict[str, Prediction]:
     """``plan`` for an ``nn.Module`` (on ``meta`` is best): its layers, units and ZeRO-3
     partition table are read from it, its activations from one forward on ``meta`` of
-    ``example_input``, by default token ids of the planned batch, ``(batch_size, seq_len)``
-    ([Note: model costs])."""
+    ``example_input``, by default token ids of the planned batch, ``(batch_size, seq_len)``;
+    another input (images, audio, features) is taken as samples of ``seq_len`` tokens each
+    (a ViT's patches) ([Note: model costs])."""
     calibration = _calibration(calibration)
     costs = batch_costs(model, batch_size, seq_len, device_type(calibration), example_input)
     states = estimate_model(model, world_size, precision, optimizer)
@@ -185,11 +186,12 @@ def batch_costs(
     name: Optional[str] = None,
 ) -> ModelCosts:
     """``module_costs`` measured on one batch: ``example_input``, by default token ids of shape
-    ``(batch_size, seq_len)``; a model that takes no token ids says what to pass."""
+    ``(batch_size, seq_len)``; an example that is not token ids holds samples of ``seq_len``
+    tokens each; a model that takes no token ids says what to pass."""
     tokens = torch.zeros(batch_size, seq_len, dtype=torch.long)
     example = tokens if example_input is None else example_input
     try:
-        return module_costs(model, example, name, device_type=device)
+        return module_costs(model, example, name, device_type=device, seq_len=seq_len)
     except Exception as exc:
         if example_input is not None:
             raise
