@@ -544,6 +544,47 @@ def test_plan_model_counts_experts_run_as_one_grouped_matmul():
     assert costs.attention_flops_per_token == 0
 
 
+class _ThreeExperts(nn.Module):
+    """Token embeddings through 3 experts, raw (E, C, H) weights, averaged: a tensor of fewer
+    rows than 4 ranks, and of rows not a multiple of 2."""
+
+    def __init__(self, vocab: int = 50, width: int = 16, hidden: int = 32):
+        super().__init__()
+        self.wte, self.head = nn.Embedding(vocab, width), nn.Linear(hidden, vocab)
+        self.experts = nn.Parameter(torch.randn(3, width, hidden) / width**0.5)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        h = torch.einsum("btc,ech->bth", self.wte(idx), self.experts) / len(self.experts)
+        return self.head(F.gelu(h))
+
+
+def _fsdp_model_states(rank, world):
+    """This rank's model states under FSDP after one AdamW step of ``_ThreeExperts``."""
+    from tiny_fsdp.core import FSDP, FSDPAdamW
+    from tiny_fsdp.core.memory import memory_ledger
+
+    torch.manual_seed(0)
+    model = FSDP(_ThreeExperts())
+    optimizer = FSDPAdamW(model.named_parameters(), lr=1e-3)
+    F.log_softmax(model(torch.randint(0, 50, (2, 8))), -1).sum().backward()
+    optimizer.step()
+    return memory_ledger(model, optimizer).model_states
+
+
+def test_plan_model_holds_fsdp_to_its_most_loaded_rank():
+    """FSDP pads each tensor's rows to a multiple of the ranks, and a rank keeps optimizer
+    state for the real rows of its shard: with 3 experts on 2 ranks, rank 0 for 2, rank 1 for
+    1. The plan is rank 0's model states, but for AdamW's step counters (4 bytes a tensor),
+    which the formulas leave out."""
+    from tiny_fsdp.plan import plan_model
+
+    real = run_distributed(_fsdp_model_states, 2)
+    planned = plan_model(_ThreeExperts(), "a100_sxm", 2, 2, 8)["fsdp"].model_state_bytes
+    counters = 4 * len(list(_ThreeExperts().parameters()))
+    assert real[0] > real[1]
+    assert real[0] - counters == planned, (real, planned)
+
+
 def test_plan_model_takes_the_forward_s_keyword_arguments_or_says_what_to_pass():
     """An input that is not token ids is given as the example (a tensor, or the forward's
     keyword arguments): (B, T) ids, or B samples of seq_len tokens (features, images); a model

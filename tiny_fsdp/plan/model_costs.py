@@ -98,6 +98,21 @@ class ModelCosts:
         rows = self.rows[tensor] if self.rows else numel
         return -(-rows // shards) * shards * (numel // rows if rows else 0)
 
+    def fsdp_rank_elements(self, shards: int) -> List[Tuple[int, int]]:
+        """Per rank of an FSDP shard group of ``shards``, ``(held, updated)`` elements: each
+        rank holds every tensor's padded shard (parameters, gradients) and updates the real rows
+        in it (optimizer state): rows ``[r c, (r + 1) c)`` of R, c = ceil(R / shards), so the
+        first ranks update the most, and a tensor of fewer rows than ranks (a mixture's
+        experts) leaves the last ones nothing."""
+        held = sum(self.padded_numel(t, shards) for t in range(len(self.tensors))) // shards
+        updated = [0] * shards
+        for t, numel in enumerate(self.tensors):
+            rows = self.rows[t] if self.rows else numel
+            chunk = -(-rows // shards)
+            for rank in range(min(shards, -(-rows // chunk) if chunk else 0)):
+                updated[rank] += min(chunk, rows - rank * chunk) * (numel // rows)
+        return [(held, n) for n in updated]
+
     def calibration_shape(self, tokens: int) -> Tuple[int, int, int]:
         """``(rows, in, out)`` of the matrix product (and, ``(rows, out)``, the elementwise work)
         that calibrates this model's rates ([Note: calibration]): a rank's tokens as rows, at

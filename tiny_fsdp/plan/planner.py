@@ -4,7 +4,9 @@
 For each strategy, per rank (the largest rank where ranks differ):
 
     peak_bytes = model states            ZeRO formulas ([Note: ZeRO memory formulas]); ZeRO-3
-                                          from its partition table when the model is known
+                                          from its partition table when the model is known;
+                                          FSDP from its shards (rows padded, the first ranks
+                                          updating the most rows: ``fsdp_rank_elements``)
                + activations              kept for backward by this rank's batch ([Note: model
                                           costs])
                + transient buffers        gathered parameters, reduction / staging buffers in
@@ -33,6 +35,7 @@ from typing import Dict, List, Mapping, Optional, Sequence, Tuple, Union
 import torch
 from torch import nn
 
+from tiny_fsdp.core.memory import MemoryReport
 from tiny_fsdp.estimate import bytes_per_param, estimate_memory, estimate_model
 from tiny_fsdp.plan.calibration import Calibration, load_calibration
 from tiny_fsdp.plan.model_costs import ModelCosts, module_costs
@@ -104,9 +107,12 @@ def plan(
             replicas,
         )  # fmt: skip
         step = plan_step(name, setup)
-        if name == "hsdp":
-            shard = estimate_memory(costs.num_params, world_size // replicas, precision, optimizer)
-            per_rank = shard["fsdp"]
+        if name in ("fsdp", "hsdp"):  # its shard layout, padding and all
+            p, g, k = bytes_per_param(precision, optimizer)
+            per_rank = [
+                MemoryReport(p * held, g * held, k * updated)
+                for held, updated in costs.fsdp_rank_elements(world_size // replicas)
+            ]
         else:
             per_rank = states[name]
         model_state = max(r.model_states for r in per_rank)
