@@ -228,6 +228,51 @@ def test_planner_predicts_peak_memory_per_rank_within_10_percent():
     assert not loose, "not exact:\n" + format_rows(loose, "MiB")
 
 
+WIDE_VOCAB = GPTConfig(block_size=64, vocab_size=2048, n_layer=3, n_head=2, n_embd=32)
+
+
+def _peak_gathered(rank, world):
+    """FSDP's and ZeRO-3's peak bytes of gathered parameters in a step (the third) of
+    ``GPT2Model`` of ``CONFIG`` and of ``WIDE_VOCAB``: ``{(strategy, config index): bytes}``."""
+    from tiny_fsdp.core import FSDP, FSDPAdamW, Zero3, Zero3AdamW
+
+    wrappers = {"fsdp": (FSDP, FSDPAdamW), "zero3": (Zero3, Zero3AdamW)}
+    peaks = {}
+    for i, config in enumerate((CONFIG, WIDE_VOCAB)):
+        for name, (Wrapper, AdamW) in wrappers.items():
+            torch.manual_seed(0)
+            model = Wrapper(GPT2Model(config))
+            optimizer = AdamW(model.named_parameters(), lr=1e-3)
+            x = torch.randint(0, config.vocab_size, (2, 16))
+            for step in range(3):
+                if name == "fsdp":
+                    model.reset_peak_memory_stats()
+                else:
+                    model.fetch_stats.peak_bytes = model.fetch_stats.live_bytes
+                F.cross_entropy(model(x).flatten(0, 1), x.flatten()).backward()
+                optimizer.step()
+                optimizer.zero_grad(set_to_none=True)
+            stats = model.memory_stats() if name == "fsdp" else None
+            peaks[name, i] = stats["peak_gathered_bytes"] if stats else model.fetch_stats.peak_bytes
+    return peaks
+
+
+def test_planner_predicts_the_gathered_parameters_exactly():
+    """FSDP holds the root unit (embeddings, head) for the whole step and each block with the
+    prefetched next; a unit of several tensors is copied out of its all-gather's output, both
+    alive for a moment, so where the root is larger than a block (a real vocabulary) its
+    copy-out at the forward's start, with the first block prefetched, is the peak. ZeRO-3
+    receives whole tensors in place, on the busiest rank."""
+    from tiny_fsdp.plan.schedules import StepSetup, plan_step
+
+    calibration = load_calibration("a100_sxm")
+    real = run_distributed(_peak_gathered, 2)
+    for name, i in real[0]:
+        config = (CONFIG, WIDE_VOCAB)[i]
+        setup = StepSetup(gpt2_costs(config), calibration, 2, 32, 16, 4, 4)
+        assert plan_step(name, setup).gathered_bytes == max(r[name, i] for r in real), (name, i)
+
+
 def test_planner_predicts_the_bytes_and_calls_of_every_collective_exactly():
     """Per strategy and kind, the payload one rank's collectives carry in a step and their
     number, on gloo

@@ -77,6 +77,7 @@ class StepPlan:
     compute_s: float
     comm_s: float
     transient_bytes: int  # gathered parameters, reduce / staging buffers at their peak
+    gathered_bytes: int  # of which gathered parameters (FSDP, ZeRO-3)
     # (group, kind) -> payload bytes of one rank's collectives in the step, as the ledger counts
     # them ([Note: communication ledger]); group "world", or HSDP's "shard" / "replicate".
     payload_bytes: Dict[Tuple[str, str], int] = field(default_factory=dict)
@@ -104,14 +105,13 @@ class _Collectives:
         return collective_s(self.calibration, kind, nbytes, n, inter_node)
 
 
-def _planned(tl: Timeline, comms: _Collectives, transient: float) -> StepPlan:
+def _planned(tl: Timeline, comms: _Collectives, transient: float, gathered: float = 0) -> StepPlan:
     """The step of timeline ``tl``, with the calibration's overlap ([Note: calibration])."""
     cal = comms.calibration
     compute, comm = tl.busy("compute"), tl.busy("comm")
     seconds = cal.overlap * tl.seconds + (1 - cal.overlap) * max(tl.seconds, compute + comm)
-    return StepPlan(
-        seconds, compute, comm, int(transient), *map(dict, (comms.payload, comms.calls, comms.sent))
-    )
+    ledger = map(dict, (comms.payload, comms.calls, comms.sent))
+    return StepPlan(seconds, compute, comm, int(transient), int(gathered), *ledger)
 
 
 def _ceil_to(n: int, k: int) -> int:
@@ -347,9 +347,16 @@ def _unit_schedule(s: StepSetup, strategy: str) -> StepPlan:
     # Transient bytes: the root (full for the whole step) and the unit computing with the
     # prefetched ones; the gradient sum being filled and IN_FLIGHT reductions' inputs.
     root, blocks = numel[units_bwd[0]], sorted(numel[u] for u in units_bwd[1:]) or [0]
-    unsharded = (root + sum(blocks[-(prefetch + 1) :])) * s.param_bytes
+    unsharded = root + sum(blocks[-(prefetch + 1) :])
+    first = units_fwd[0]
+    if not zero3 and len(costs.units[first]) > 1:
+        # FSDP copies a unit of several tensors out of its all-gather's output, both alive for
+        # a moment: at the forward's start, the first unit twice and the next ones prefetched.
+        ahead = sum(numel[u] for u in units_fwd[1 : 1 + prefetch])
+        unsharded = max(unsharded, 2 * numel[first] + ahead)
+    unsharded *= s.param_bytes
     reducing = sum(sorted(numel)[-(IN_FLIGHT + 1) :]) * 4
-    return _planned(tl, comms, unsharded + reducing)
+    return _planned(tl, comms, unsharded + reducing, unsharded)
 
 
 def plain_step_seconds(s: StepSetup) -> float:
