@@ -231,17 +231,20 @@ def test_planner_predicts_peak_memory_per_rank_within_10_percent():
 WIDE_VOCAB = GPTConfig(block_size=64, vocab_size=2048, n_layer=3, n_head=2, n_embd=32)
 
 
-def _peak_gathered(rank, world):
-    """FSDP's and ZeRO-3's peak bytes of gathered parameters in a step (the third) of
-    ``GPT2Model`` of ``CONFIG`` and of ``WIDE_VOCAB``: ``{(strategy, config index): bytes}``."""
-    from tiny_fsdp.core import FSDP, FSDPAdamW, Zero3, Zero3AdamW
+def _unit_strategy_steps(rank, world):
+    """FSDP's and ZeRO-3's third step of ``GPT2Model``: the peak bytes of gathered parameters
+    with ``CONFIG`` and ``WIDE_VOCAB`` in fp32, ``{(strategy, config index): bytes}``, and the
+    ledger's payload per kind under the bf16 policy with ``CONFIG``, ``{strategy: {kind: bytes}}``.
+    """
+    from tiny_fsdp.core import FSDP, FSDPAdamW, MixedPrecisionPolicy, Zero3, Zero3AdamW, comm
 
     wrappers = {"fsdp": (FSDP, FSDPAdamW), "zero3": (Zero3, Zero3AdamW)}
-    peaks = {}
-    for i, config in enumerate((CONFIG, WIDE_VOCAB)):
+    peaks, payloads = {}, {}
+    for i, config, precision in ((0, CONFIG, "fp32"), (1, WIDE_VOCAB, "fp32"), (0, CONFIG, "bf16")):
         for name, (Wrapper, AdamW) in wrappers.items():
             torch.manual_seed(0)
-            model = Wrapper(GPT2Model(config))
+            policy = MixedPrecisionPolicy.from_name(precision)
+            model = Wrapper(GPT2Model(config), mixed_precision=policy)
             optimizer = AdamW(model.named_parameters(), lr=1e-3)
             x = torch.randint(0, config.vocab_size, (2, 16))
             for step in range(3):
@@ -249,12 +252,23 @@ def _peak_gathered(rank, world):
                     model.reset_peak_memory_stats()
                 else:
                     model.fetch_stats.peak_bytes = model.fetch_stats.live_bytes
-                F.cross_entropy(model(x).flatten(0, 1), x.flatten()).backward()
+                comm.LEDGER.reset()
+                F.cross_entropy(model(x).flatten(0, 1).float(), x.flatten()).backward()
                 optimizer.step()
                 optimizer.zero_grad(set_to_none=True)
-            stats = model.memory_stats() if name == "fsdp" else None
-            peaks[name, i] = stats["peak_gathered_bytes"] if stats else model.fetch_stats.peak_bytes
-    return peaks
+            if precision == "bf16":
+                payloads[name] = dict(comm.LEDGER.payload_bytes)
+            elif name == "fsdp":
+                peaks[name, i] = model.memory_stats()["peak_gathered_bytes"]
+            else:
+                peaks[name, i] = model.fetch_stats.peak_bytes
+    return peaks, payloads
+
+
+@functools.lru_cache(maxsize=None)
+def _unit_strategies_measured():
+    """``_unit_strategy_steps`` on 2 ranks, once per test session (two tests read it)."""
+    return run_distributed(_unit_strategy_steps, 2)
 
 
 def test_planner_predicts_the_gathered_parameters_exactly():
@@ -266,11 +280,20 @@ def test_planner_predicts_the_gathered_parameters_exactly():
     from tiny_fsdp.plan.schedules import StepSetup, plan_step
 
     calibration = load_calibration("a100_sxm")
-    real = run_distributed(_peak_gathered, 2)
+    real = [peaks for peaks, _ in _unit_strategies_measured()]
     for name, i in real[0]:
         config = (CONFIG, WIDE_VOCAB)[i]
         setup = StepSetup(gpt2_costs(config), calibration, 2, 32, 16, 4, 4)
         assert plan_step(name, setup).gathered_bytes == max(r[name, i] for r in real), (name, i)
+
+
+def test_planner_reduces_bf16_gradients_in_bf16():
+    """Under ``--precision bf16`` (the policy ``MixedPrecisionPolicy.from_name("bf16")``) FSDP's
+    reduce-scatters and ZeRO-3's reduces carry bf16 gradients: the plan's payloads are the
+    ledger's, kind by kind."""
+    planned = plan(gpt2_costs(CONFIG), load_calibration("a100_sxm"), 2, 2, 16, precision="bf16")
+    for name, payload in _unit_strategies_measured()[0][1].items():
+        assert planned[name].payload_bytes == {("world", k): n for k, n in payload.items()}, name
 
 
 def test_planner_predicts_the_bytes_and_calls_of_every_collective_exactly():

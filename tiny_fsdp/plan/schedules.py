@@ -65,7 +65,7 @@ class StepSetup:
     world_size: int
     tokens: int
     seq_len: int
-    param_bytes: int  # bytes of a parameter as computed / communicated (2 under bf16)
+    param_bytes: int  # bytes of a parameter or gradient as computed / communicated (bf16: 2)
     act_bytes: int  # bytes of an activation element
     grad_ckpt: bool = False
     replicas: int = 1  # HSDP replica groups
@@ -333,10 +333,14 @@ def _unit_schedule(s: StepSetup, strategy: str) -> StepPlan:
         for part in parts[u]:  # the unit's gradients, one reduction per group
             if len(reductions) >= IN_FLIGHT:
                 tl.wait([reductions[-IN_FLIGHT]])
-            seconds = comms.seconds(reduce_kind, part * 4, n, group)
+            seconds = comms.seconds(reduce_kind, part * s.param_bytes, n, group)
             if s.replicas > 1:  # then across the replica groups, over the inter-node link
                 seconds += comms.seconds(
-                    "all_reduce", numel[u] // n * 4, s.replicas, INTER_GROUP, inter_node=True
+                    "all_reduce",
+                    numel[u] // n * s.param_bytes,
+                    s.replicas,
+                    INTER_GROUP,
+                    inter_node=True,
                 )
             reductions.append(tl.add("comm", seconds, label=f"reduce unit {u}"))
     tl.wait(reductions)
@@ -355,7 +359,7 @@ def _unit_schedule(s: StepSetup, strategy: str) -> StepPlan:
         ahead = sum(numel[u] for u in units_fwd[1 : 1 + prefetch])
         unsharded = max(unsharded, 2 * numel[first] + ahead)
     unsharded *= s.param_bytes
-    reducing = sum(sorted(numel)[-(IN_FLIGHT + 1) :]) * 4
+    reducing = sum(sorted(numel)[-(IN_FLIGHT + 1) :]) * s.param_bytes
     return _planned(tl, comms, unsharded + reducing, unsharded)
 
 
