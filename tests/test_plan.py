@@ -404,8 +404,8 @@ def test_plan_model_reads_any_module():
     """A model that is not GPT-2 (tests/zoo.py), as a user calls it: a preset's name, no
     example input. Its tensors and layers are read from the module, its activations from one
     forward on meta of the batch's token ids: the bytes a real forward of the batch saves (in
-    fp32; in bf16 the floating-point ones at half the width), the caller's model untouched;
-    sharded strategies hold less than replicated ones."""
+    fp32; in bf16, the loss's log-softmax in fp32 as the examples take it), the caller's model
+    untouched; sharded strategies hold less than replicated ones."""
     from tests.zoo import VOCAB, ZooLM
     from tiny_fsdp.plan import plan_model
 
@@ -421,14 +421,14 @@ def test_plan_model_reads_any_module():
 
         def loss() -> torch.Tensor:
             out = model(batch)
-            return F.log_softmax(getattr(out, "logits", out), -1).sum()
+            return F.log_softmax(getattr(out, "logits", out).float(), -1).sum()
 
         return _saved_bytes(loss, params)
 
     for strategy in STRATEGIES:  # activations do not depend on the strategy
         assert plans[strategy].activation_bytes == saved(model)
-    # In bf16 the floating-point tensors take half the width (ZooLM's rotary table is fp32, so
-    # a plain language model here).
+    # In bf16 (ZooLM's rotary table is fp32, a buffer the planner leaves in its dtype while
+    # .to(torch.bfloat16) casts it, so a plain language model here).
     lm = nn.Sequential(nn.Embedding(VOCAB, 16), nn.Linear(16, 32), nn.GELU(), nn.Linear(32, VOCAB))
     bf16, fp32 = (
         plan_model(lm, "a100_sxm", 4, 2, 16, precision=p)["ddp"].activation_bytes
@@ -570,6 +570,38 @@ def test_plan_model_counts_attention_as_the_device_s_fused_kernel_keeps_it():
         real = _saved_bytes(lambda: F.log_softmax(model(batch), -1).sum(), params)
         plans = plan_model(model, calibration, 2, 2, 64)
         assert plans["ddp"].activation_bytes == real, (dropout, kind)
+
+
+class _UpcastNormLM(nn.Module):
+    """Embeddings, an RMS norm computed in fp32 whatever the input's dtype (as LLaMA's), a
+    head: under bf16 the norm keeps fp32 tensors for backward."""
+
+    def __init__(self, vocab: int = 50, width: int = 16):
+        super().__init__()
+        self.wte, self.head = nn.Embedding(vocab, width), nn.Linear(width, vocab)
+        self.norm_weight = nn.Parameter(torch.ones(width))
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        x = self.wte(idx)
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-6)
+        return self.head(self.norm_weight * h.to(x.dtype))
+
+
+def test_plan_model_measures_bf16_activations_in_bf16():
+    """Under ``precision="bf16"`` the meta forward computes in bf16, so what a model keeps in
+    fp32 whatever its dtype (an upcast norm, the loss's fp32 log-softmax) counts 4 bytes, not
+    2: the plan is, to the byte, what the bf16 model saves on a CPU."""
+    from tiny_fsdp.plan import plan_model
+
+    batch = torch.randint(0, 50, (2, 32))
+    for make in (_UpcastNormLM, _AttentionLM):
+        for precision, dtype in (("fp32", torch.float32), ("bf16", torch.bfloat16)):
+            model = make().to(dtype)
+            params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+            real = _saved_bytes(lambda: F.log_softmax(model(batch).float(), -1).sum(), params)
+            plans = plan_model(make(), "a100_sxm", 2, 2, 32, precision=precision)
+            assert plans["ddp"].activation_bytes == real, (make.__name__, precision)
 
 
 class _GroupedMoE(nn.Module):

@@ -63,7 +63,9 @@ def _model(args, device: str):
             raise SystemExit(f"--seq_len {args.seq_len} > {block_size} positions of {args.model}")
         with torch.device("meta"):
             module = make()
-        costs = batch_costs(module, args.batch_size, args.seq_len, device, name=args.model)
+        costs = batch_costs(
+            module, args.batch_size, args.seq_len, device, name=args.model, precision=args.precision
+        )
         return costs, estimate_model(module, args.world_size, args.precision, args.optimizer)
     else:
         config, name = GPTConfigs.get(args.model), args.model

@@ -43,7 +43,7 @@ from torch.utils.flop_counter import FlopCounterMode
 
 @dataclass(frozen=True)
 class ForwardCosts:
-    """What one forward saves for backward, as ``(floating-point elements, other bytes)``:
+    """What one forward saves for backward, as ``(elements in the compute dtype, other bytes)``:
     ``total``; with every block checkpointed, ``kept`` (what is saved outside the blocks and
     the blocks' inputs; None without blocks) and ``block`` (the largest block's, recomputed);
     and the forward's FLOPs; ``grouped``: per parameter that grouped matmuls multiply (MoE
@@ -61,19 +61,28 @@ def measure_forward(
     model: nn.Module,
     example_input: Union[torch.Tensor, Mapping[str, torch.Tensor]],
     device_type: str,
+    dtype: torch.dtype = torch.float32,
 ) -> ForwardCosts:
-    """The distinct tensors (not parameters) autograd saves in one forward on meta: elements
-    of the floating-point ones (their width is the planned precision's) and bytes of the rest
-    (token ids, masks), per block of the model (``repeated_blocks``) and outside them; and
-    the forward's FLOPs (``torch.utils.flop_counter``)."""
+    """The distinct tensors (not parameters) autograd saves in one forward on meta computing in
+    ``dtype`` (parameters and floating-point inputs in it, buffers as they are, as a mixed
+    precision policy has them): elements of the ones in ``dtype`` (their width is the planned
+    precision's) and bytes of the rest (token ids, masks, a bf16 model's fp32 norms and loss),
+    per block of the model (``repeated_blocks``) and outside them; and the forward's FLOPs
+    (``torch.utils.flop_counter``)."""
     from tiny_fsdp.core.unit_layout import repeated_blocks
 
+    def stand_in(t: torch.Tensor, cast: bool) -> torch.Tensor:
+        """``t`` on meta, in ``dtype`` if ``cast`` and floating-point."""
+        cast = cast and t.is_floating_point()
+        return torch.empty_like(t, device="meta", dtype=dtype if cast else t.dtype)
+
     # The caller's module runs on meta stand-ins of its tensors (no copy of a loaded model).
+    named_params = dict(model.named_parameters())
     state = {
-        name: torch.empty_like(t, device="meta").requires_grad_(t.requires_grad)
-        for name, t in [*model.named_parameters(), *model.named_buffers()]
+        **{n: stand_in(t, True).requires_grad_(t.requires_grad) for n, t in named_params.items()},
+        **{n: stand_in(t, False) for n, t in model.named_buffers()},
     }
-    params = {id(t) for name, t in state.items() if name in dict(model.named_parameters())}
+    params = {id(t) for name, t in state.items() if name in named_params}
     seen: Dict[object, Tuple[int, int, int]] = {}  # tensor -> (region, elements, bytes)
     block_inputs: Dict[object, Tuple[int, int, int]] = {}
     alive: List[torch.Tensor] = []  # every tensor counted, to the end: no id is reused
@@ -83,7 +92,7 @@ def measure_forward(
         base = _base(t)
         if id(base) not in params and id(base) not in into:
             alive.append(base)
-            floating = base.is_floating_point()
+            floating = base.dtype == dtype
             into[id(base)] = (region[0], *((base.numel(), 0) if floating else (0, base.nbytes)))
 
     def pack(t: torch.Tensor) -> torch.Tensor:
@@ -181,10 +190,10 @@ def measure_forward(
         with _Intercept(intercepts), flops, \
                 torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):  # fmt: skip
             if isinstance(example_input, Mapping):
-                kwargs = {k: v.to("meta") for k, v in example_input.items()}
+                kwargs = {k: stand_in(v, True) for k, v in example_input.items()}
                 out = functional_call(model, state, (), kwargs)
             else:
-                out = functional_call(model, state, (example_input.to("meta"),))
+                out = functional_call(model, state, (stand_in(example_input, True),))
             if not isinstance(out, torch.Tensor):  # transformers' outputs, a tuple: the first
                 out = out.logits if hasattr(out, "logits") else out[0]
             if out.dim():  # not a loss the model computed itself

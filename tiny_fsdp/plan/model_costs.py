@@ -31,9 +31,9 @@ of ``GPT2Model`` with CPU's fused attention (``tests/test_plan.py`` checks it pe
 
 With gradient checkpointing a block keeps only its input (C elements), and backward recomputes
 one block at a time, so one block's full activations come back on top. Other models: the saved
-tensors of one forward on the ``meta`` device (no memory, no compute; ``meta_forward.py``),
-floating-point ones as
-elements (they take the planned precision's width) and the rest as bytes, each charged to the
+tensors of one forward on the ``meta`` device (no memory, no compute; ``meta_forward.py``) in the
+planned precision's dtype, the ones in that dtype as elements (of its width) and the rest as
+bytes (ids, masks, what a bf16 model keeps in fp32: upcast norms, the loss), each charged to the
 block that saved it (the blocks FSDP's ``unit="auto"`` finds) or to the rest of the model; with
 checkpointing, the rest and the blocks' inputs are kept and the largest block comes back (for
 GPT-2 the two ways agree within 1 %, ``tests/test_plan.py``).
@@ -234,14 +234,16 @@ def module_costs(
     name: Optional[str] = None,
     device_type: str = "cuda",
     seq_len: Optional[int] = None,
+    dtype: torch.dtype = torch.float32,
 ) -> ModelCosts:
     """``ModelCosts`` of any module. A ``GPT2Model`` uses its config; another model's
     activations come from one forward on ``meta`` of ``example_input``: a tensor or the
     forward's keyword arguments (``{"input_ids": ..., "decoder_input_ids": ...}``), whose first
     is ``(B, T)`` token ids or else B samples of ``seq_len`` tokens each (images, audio; without
     ``seq_len``, ``(B, T, C)`` features); divided by those B T tokens, as ``device_type``'s
-    attention kernels keep them ([Note: model costs], [Note: attention on meta]). Without an
-    input they are unknown (0)."""
+    attention kernels keep them, computing in ``dtype`` (what the model keeps in another, a
+    bf16 model's fp32 norms and loss, is fixed bytes) ([Note: model costs], [Note: attention on
+    meta]). Without an input they are unknown (0)."""
     name = name or type(model).__name__
     config = getattr(model, "config", None)
     if isinstance(model, GPT2Model) and isinstance(config, GPTConfig):
@@ -250,7 +252,7 @@ def module_costs(
     matmul = sum(layer_matmul)
     act, kept, block, other_flops = (0.0, 0.0), None, (0.0, 0.0), 0.0
     if example_input is not None:
-        saved = measure_forward(model, example_input, device_type)
+        saved = measure_forward(model, example_input, device_type, dtype)
         inputs = example_input.values() if isinstance(example_input, Mapping) else [example_input]
         first = next(iter(inputs))
         if seq_len is None or (first.dim() == 2 and not first.is_floating_point()):

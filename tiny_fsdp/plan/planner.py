@@ -156,7 +156,8 @@ def plan_model(
     another input (images, audio, features) is taken as samples of ``seq_len`` tokens each
     (a ViT's patches) ([Note: model costs])."""
     calibration = _calibration(calibration)
-    costs = batch_costs(model, batch_size, seq_len, device_type(calibration), example_input)
+    device = device_type(calibration)
+    costs = batch_costs(model, batch_size, seq_len, device, example_input, precision=precision)
     states = estimate_model(model, world_size, precision, optimizer)
     return plan(
         costs, calibration, world_size, batch_size, seq_len, precision, optimizer, grad_ckpt,
@@ -190,14 +191,17 @@ def batch_costs(
     device: str = "cuda",
     example_input: Union[torch.Tensor, Mapping[str, torch.Tensor], None] = None,
     name: Optional[str] = None,
+    precision: str = "fp32",
 ) -> ModelCosts:
     """``module_costs`` measured on one batch: ``example_input``, by default token ids of shape
     ``(batch_size, seq_len)``; an example that is not token ids holds samples of ``seq_len``
-    tokens each; a model that takes no token ids says what to pass."""
+    tokens each; computing in ``precision``'s dtype; a model that takes no token ids says what
+    to pass."""
     tokens = torch.zeros(batch_size, seq_len, dtype=torch.long)
     example = tokens if example_input is None else example_input
+    dtype = torch.bfloat16 if precision == "bf16" else torch.float32
     try:
-        return module_costs(model, example, name, device_type=device, seq_len=seq_len)
+        return module_costs(model, example, name, device, seq_len, dtype)
     except Exception as exc:
         if example_input is not None:
             raise
