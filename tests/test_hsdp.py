@@ -406,12 +406,14 @@ def _ledger(rank: int, world_size: int) -> List[Tuple]:
 def _planned_bytes(rank: int, world_size: int) -> None:
     """The planner's intra-group and inter-group bytes for ``--hsdp R`` ([Note: what the
     planner predicts]) against the ledger: a GPT-2 with odd row counts, default arguments (block
-    units, resharded after forward), the second step of each layout."""
+    units, resharded after forward), the second step of each layout; and of 2 x 2 under
+    ``--precision bf16``, whose reductions, in the group and across, carry bf16."""
     config = GPTConfig(block_size=8, vocab_size=97, n_layer=2, n_head=3, n_embd=18)
     costs = gpt2_costs(config)
-    for replicas, shard in LAYOUTS:
+    for replicas, shard, precision in [*(layout + ("fp32",) for layout in LAYOUTS), (2, 2, "bf16")]:
         torch.manual_seed(0)
-        model, opt = _hsdp(GPT2Model(config), (replicas, shard), "adamw")
+        policy = MixedPrecisionPolicy.from_name(precision)
+        model, opt = _hsdp(GPT2Model(config), (replicas, shard), "adamw", mixed_precision=policy)
         x = torch.randint(97, (2, 8), generator=torch.Generator().manual_seed(rank))
         for _ in range(2):
             comm.LEDGER.reset()
@@ -419,9 +421,10 @@ def _planned_bytes(rank: int, world_size: int) -> None:
             opt.step()
             opt.zero_grad(set_to_none=True)
         predicted = plan(costs, load_calibration("h100_sxm"), world_size, 2, 8,
-                         hsdp_replicas=replicas)["hsdp"]  # fmt: skip
-        assert dict(comm.LEDGER.group_payload_bytes) == predicted.payload_bytes, (replicas, rank)
-        assert dict(comm.LEDGER.group_calls) == predicted.calls, (replicas, rank)
+                         precision=precision, hsdp_replicas=replicas)["hsdp"]  # fmt: skip
+        where = (replicas, precision, rank)
+        assert dict(comm.LEDGER.group_payload_bytes) == predicted.payload_bytes, where
+        assert dict(comm.LEDGER.group_calls) == predicted.calls, where
         sent = {
             "intra": sum(comm.LEDGER.group_traffic_bytes("shard", shard).values()),
             "inter": sum(comm.LEDGER.group_traffic_bytes("replicate", replicas).values()),
