@@ -231,20 +231,17 @@ def test_planner_predicts_peak_memory_per_rank_within_10_percent():
 WIDE_VOCAB = GPTConfig(block_size=64, vocab_size=2048, n_layer=3, n_head=2, n_embd=32)
 
 
-def _unit_strategy_steps(rank, world):
-    """FSDP's and ZeRO-3's third step of ``GPT2Model``: the peak bytes of gathered parameters
-    with ``CONFIG`` and ``WIDE_VOCAB`` in fp32, ``{(strategy, config index): bytes}``, and the
-    ledger's payload per kind under the bf16 policy with ``CONFIG``, ``{strategy: {kind: bytes}}``.
-    """
-    from tiny_fsdp.core import FSDP, FSDPAdamW, MixedPrecisionPolicy, Zero3, Zero3AdamW, comm
+def _gathered_peaks(rank, world):
+    """FSDP's and ZeRO-3's peak bytes of gathered parameters in the third step of ``GPT2Model``
+    with ``CONFIG`` and ``WIDE_VOCAB``: ``{(strategy, config index): bytes}``."""
+    from tiny_fsdp.core import FSDP, FSDPAdamW, Zero3, Zero3AdamW
 
     wrappers = {"fsdp": (FSDP, FSDPAdamW), "zero3": (Zero3, Zero3AdamW)}
-    peaks, payloads = {}, {}
-    for i, config, precision in ((0, CONFIG, "fp32"), (1, WIDE_VOCAB, "fp32"), (0, CONFIG, "bf16")):
+    peaks = {}
+    for i, config in enumerate((CONFIG, WIDE_VOCAB)):
         for name, (Wrapper, AdamW) in wrappers.items():
             torch.manual_seed(0)
-            policy = MixedPrecisionPolicy.from_name(precision)
-            model = Wrapper(GPT2Model(config), mixed_precision=policy)
+            model = Wrapper(GPT2Model(config))
             optimizer = AdamW(model.named_parameters(), lr=1e-3)
             x = torch.randint(0, config.vocab_size, (2, 16))
             for step in range(3):
@@ -252,23 +249,67 @@ def _unit_strategy_steps(rank, world):
                     model.reset_peak_memory_stats()
                 else:
                     model.fetch_stats.peak_bytes = model.fetch_stats.live_bytes
-                comm.LEDGER.reset()
-                F.cross_entropy(model(x).flatten(0, 1).float(), x.flatten()).backward()
+                F.cross_entropy(model(x).flatten(0, 1), x.flatten()).backward()
                 optimizer.step()
                 optimizer.zero_grad(set_to_none=True)
-            if precision == "bf16":
-                payloads[name] = dict(comm.LEDGER.payload_bytes)
-            elif name == "fsdp":
-                peaks[name, i] = model.memory_stats()["peak_gathered_bytes"]
-            else:
-                peaks[name, i] = model.fetch_stats.peak_bytes
-    return peaks, payloads
+            stats = model.memory_stats() if name == "fsdp" else None
+            peaks[name, i] = stats["peak_gathered_bytes"] if stats else model.fetch_stats.peak_bytes
+    return peaks
+
+
+def _second_steps(rank, make_model, precision="fp32"):
+    """Every strategy's second step of ``make_model()`` under ``precision``'s policy, AdamW:
+    ``{strategy: (bytes the memory ledger counts after the step, payload bytes per kind, calls
+    per kind)}`` of this rank."""
+    import tiny_fsdp.core as core
+    from tiny_fsdp.core.memory import memory_ledger
+
+    policy = core.MixedPrecisionPolicy.from_name(precision)
+    out = {}
+    for name, cls in zip(STRATEGIES, ("DDP", "Zero1", "Zero2", "Zero3", "FSDP")):
+        torch.manual_seed(0)
+        model = getattr(core, cls)(make_model(), mixed_precision=policy)
+        optimizer = getattr(core, cls + "AdamW")(model.named_parameters(), lr=1e-3)
+        x = torch.randint(0, 50, (2, 8), generator=torch.Generator().manual_seed(rank))
+        for step in range(2):
+            core.comm.LEDGER.reset()
+            F.log_softmax(model(x).float(), -1).sum().backward()
+            optimizer.step()
+            held = memory_ledger(model, optimizer).total
+            optimizer.zero_grad(set_to_none=True)
+        out[name] = held, dict(core.comm.LEDGER.payload_bytes), dict(core.comm.LEDGER.calls)
+    return out
+
+
+def _as_planned(name: str, payload: dict, calls: dict) -> tuple:
+    """A gloo run's ledger in NCCL's names, as the plan (an NCCL calibration) counts: ZeRO-1/2
+    broadcast their all-gather there, one broadcast per rank of 2."""
+    payload, calls = dict(payload), dict(calls)
+    if name in ("zero1", "zero2"):
+        payload["all_gather"] = payload.pop("broadcast")
+        calls["all_gather"] = calls.pop("broadcast") // 2
+    return payload, calls
+
+
+def _two_rank_steps(rank, world):
+    """What several tests read of 2 ranks, measured in one run."""
+    return {
+        "gathered": _gathered_peaks(rank, world),
+        "bf16": _second_steps(rank, lambda: GPT2Model(CONFIG), "bf16"),
+        "experts": _fsdp_model_states(rank, world),
+        "frozen": _second_steps(rank, _LowRankLM),
+    }
 
 
 @functools.lru_cache(maxsize=None)
-def _unit_strategies_measured():
-    """``_unit_strategy_steps`` on 2 ranks, once per test session (two tests read it)."""
-    return run_distributed(_unit_strategy_steps, 2)
+def _on_2_ranks(what: str) -> list:
+    """Each rank's ``_two_rank_steps()[what]``; one run per test session."""
+    return [r[what] for r in _two_rank_runs()]
+
+
+@functools.lru_cache(maxsize=None)
+def _two_rank_runs():
+    return run_distributed(_two_rank_steps, 2)
 
 
 def test_planner_predicts_the_gathered_parameters_exactly():
@@ -280,20 +321,29 @@ def test_planner_predicts_the_gathered_parameters_exactly():
     from tiny_fsdp.plan.schedules import StepSetup, plan_step
 
     calibration = load_calibration("a100_sxm")
-    real = [peaks for peaks, _ in _unit_strategies_measured()]
+    real = _on_2_ranks("gathered")
     for name, i in real[0]:
         config = (CONFIG, WIDE_VOCAB)[i]
         setup = StepSetup(gpt2_costs(config), calibration, 2, 32, 16, 4, 4)
         assert plan_step(name, setup).gathered_bytes == max(r[name, i] for r in real), (name, i)
 
 
-def test_planner_reduces_bf16_gradients_in_bf16():
-    """Under ``--precision bf16`` (the policy ``MixedPrecisionPolicy.from_name("bf16")``) FSDP's
-    reduce-scatters and ZeRO-3's reduces carry bf16 gradients: the plan's payloads are the
-    ledger's, kind by kind."""
+def test_planner_plans_bf16_as_each_strategy_keeps_it():
+    """Under ``--precision bf16`` (the policy ``MixedPrecisionPolicy.from_name("bf16")``) every
+    strategy communicates bf16 (FSDP's reduce-scatters and ZeRO-3's reduces too): the plan's
+    collectives are the ledger's, bytes and calls, kind by kind. Its model states are what the
+    ledger counts, in each strategy's dtypes (DDP: fp32 parameters, gradients and moments and
+    a bf16 copy to compute with, 18 bytes a parameter where the ZeRO formula's are 16), but for
+    at most 8 bytes a tensor (AdamW's step counters, DDP's flags)."""
     planned = plan(gpt2_costs(CONFIG), load_calibration("a100_sxm"), 2, 2, 16, precision="bf16")
-    for name, payload in _unit_strategies_measured()[0][1].items():
-        assert planned[name].payload_bytes == {("world", k): n for k, n in payload.items()}, name
+    real = _on_2_ranks("bf16")
+    tensors = len(list(GPT2Model(CONFIG).parameters()))
+    for name in STRATEGIES:
+        left_out = max(r[name][0] for r in real) - planned[name].model_state_bytes
+        assert 0 <= left_out <= 8 * tensors, (name, left_out)
+        payload, calls = _as_planned(name, *real[0][name][1:])
+        assert {k: n for (_, k), n in planned[name].payload_bytes.items()} == payload, name
+        assert {k: n for (_, k), n in planned[name].calls.items()} == calls, name
 
 
 def test_planner_predicts_the_bytes_and_calls_of_every_collective_exactly():
@@ -336,7 +386,8 @@ def test_planner_predicts_step_time_within_25_percent():
 
 
 def test_cli_json_has_every_strategy_for_every_example_preset():
-    """``--json`` keys; model states agree with the ZeRO formulas of ``tiny_fsdp.estimate``."""
+    """``--json`` keys; model states agree with the ZeRO formulas of ``tiny_fsdp.estimate``
+    (fp32, every parameter trained, rows that need no padding)."""
     from example.models import model_names
     from tiny_fsdp.estimate import estimate_model
     from tiny_fsdp.models.gpt2 import GPTConfigs
@@ -355,7 +406,7 @@ def test_cli_json_has_every_strategy_for_every_example_preset():
         states = estimate_model(model, 4)
         costs = gpt2_costs(GPTConfigs.get(name))
         act = costs.activation_bytes(8 * 32, 4)  # default --batch_size 8
-        plans = plan(costs, load_calibration("h100_sxm"), 4, 8, 32, model_states=states)
+        plans = plan(costs, load_calibration("h100_sxm"), 4, 8, 32)
         for strategy in STRATEGIES:
             exact = max(r.model_states for r in states[strategy]) + act
             assert plans[strategy].peak_bytes == exact + plans[strategy].transient_bytes
@@ -678,11 +729,58 @@ def test_plan_model_holds_fsdp_to_its_most_loaded_rank():
     which the formulas leave out."""
     from tiny_fsdp.plan import plan_model
 
-    real = run_distributed(_fsdp_model_states, 2)
+    real = _on_2_ranks("experts")
     planned = plan_model(_ThreeExperts(), "a100_sxm", 2, 2, 8)["fsdp"].model_state_bytes
     counters = 4 * len(list(_ThreeExperts().parameters()))
     assert real[0] > real[1]
     assert real[0] - counters == planned, (real, planned)
+
+
+class _LowRankLM(nn.Module):
+    """Frozen embeddings and frozen base weights, each block adapted by a trainable low-rank
+    pair (as LoRA adapts a pretrained model), a trainable head."""
+
+    class Block(nn.Module):
+        def __init__(self, width: int, rank: int = 2):
+            super().__init__()
+            self.base = nn.Linear(width, width).requires_grad_(False)
+            self.down, self.up = nn.Linear(width, rank, bias=False), nn.Linear(rank, width)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return x + torch.tanh(self.base(x) + self.up(self.down(x)))
+
+    def __init__(self, vocab: int = 50, width: int = 16, layers: int = 2):
+        super().__init__()
+        self.wte = nn.Embedding(vocab, width).requires_grad_(False)
+        self.blocks = nn.ModuleList(self.Block(width) for _ in range(layers))
+        self.head = nn.Linear(width, vocab)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        x = self.wte(idx)
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x)
+
+
+def test_plan_model_charges_frozen_parameters_no_gradients_nor_optimizer_state():
+    """A frozen tensor (``requires_grad=False``: a LoRA model's base) is held and gathered, but
+    has no gradient, optimizer state or reduction: the plan's model states are the busiest
+    rank's ledger but for what the formulas leave out, at most 8 bytes a trained tensor (AdamW's
+    step counter of each tensor or piece a rank steps, and DDP's flag in its bucket), where the
+    frozen tensors' gradients and AdamW state would be 12 bytes an element; and its
+    collectives are the ledger's, bytes and calls, kind by kind."""
+    from tiny_fsdp.plan import plan_model
+
+    real = _on_2_ranks("frozen")
+    plans = plan_model(_LowRankLM(), "a100_sxm", 2, 2, 8)
+    trained = sum(p.requires_grad for p in _LowRankLM().parameters())
+    for name in STRATEGIES:
+        planned = plans[name]
+        left_out = max(r[name][0] for r in real) - planned.model_state_bytes
+        assert 0 <= left_out <= 8 * trained, name
+        payload, calls = _as_planned(name, *real[0][name][1:])
+        assert {k: n for (_, k), n in planned.payload_bytes.items()} == payload, name
+        assert {k: n for (_, k), n in planned.calls.items()} == calls, name
 
 
 def test_plan_model_takes_the_forward_s_keyword_arguments_or_says_what_to_pass():

@@ -18,8 +18,8 @@ from typing import Dict, Optional, Sequence
 
 import torch
 
-from tiny_fsdp.estimate import OPTIMIZERS, PRECISIONS, estimate_model
-from tiny_fsdp.models.gpt2 import GPT2Model, GPTConfig, GPTConfigs
+from tiny_fsdp.estimate import OPTIMIZERS, PRECISIONS
+from tiny_fsdp.models.gpt2 import GPTConfig, GPTConfigs
 from tiny_fsdp.models.hf_presets import HF_PRESETS, hf_preset
 from tiny_fsdp.plan.calibration import load_calibration, preset_names, save_calibration
 from tiny_fsdp.plan.model_costs import gpt2_costs
@@ -48,8 +48,8 @@ def config_for_count(num_params: float, n_layer: int, vocab_size: int, seq_len: 
 
 
 def _model(args, device: str):
-    """``(ModelCosts, per-rank model states or None)`` of the model the arguments name, its
-    activations as ``device``'s kernels keep them."""
+    """``ModelCosts`` of the model the arguments name, its activations as ``device``'s kernels
+    keep them."""
     if args.config is not None:
         with open(args.config) as f:
             config = GPTConfig(**json.load(f))
@@ -63,18 +63,14 @@ def _model(args, device: str):
             raise SystemExit(f"--seq_len {args.seq_len} > {block_size} positions of {args.model}")
         with torch.device("meta"):
             module = make()
-        costs = batch_costs(
+        return batch_costs(
             module, args.batch_size, args.seq_len, device, name=args.model, precision=args.precision
         )
-        return costs, estimate_model(module, args.world_size, args.precision, args.optimizer)
     else:
         config, name = GPTConfigs.get(args.model), args.model
     if args.seq_len > config.block_size:
         raise SystemExit(f"--seq_len {args.seq_len} > block_size {config.block_size} of {name}")
-    with torch.device("meta"):
-        module = GPT2Model(config)
-    states = estimate_model(module, args.world_size, args.precision, args.optimizer)
-    return gpt2_costs(config, name), states
+    return gpt2_costs(config, name)
 
 
 def _human(nbytes: float) -> str:
@@ -125,7 +121,7 @@ def main(argv: Optional[Sequence[str]] = None) -> str:
     parser.add_argument("--calibrate_world_sizes", type=int, nargs="+", default=[1, 2])
     args = parser.parse_args(argv)
     calibration = None if args.calibrate is not None else load_calibration(args.calibration)
-    costs, states = _model(args, device_type(calibration))
+    costs = _model(args, device_type(calibration))
     shape = costs.calibration_shape(args.batch_size * args.seq_len)
     if args.calibrate is not None:
         from tiny_fsdp.plan.measure import calibrate
@@ -139,7 +135,7 @@ def main(argv: Optional[Sequence[str]] = None) -> str:
         calibration.inter_node_bandwidth_bytes_per_s = args.inter_node_bandwidth * 1e9
     plans = plan(
         costs, calibration, args.world_size, args.batch_size, args.seq_len, args.precision,
-        args.optimizer, args.grad_ckpt, args.gpu_memory, args.hsdp, states,
+        args.optimizer, args.grad_ckpt, args.gpu_memory, args.hsdp,
     )  # fmt: skip
     if args.json:
         text = json.dumps({name: p.summary() for name, p in plans.items()}, indent=2)

@@ -40,7 +40,7 @@ GPT-2 the two ways agree within 1 %, ``tests/test_plan.py``).
 """
 
 from dataclasses import dataclass, field
-from typing import Dict, List, Mapping, Optional, Tuple, Union
+from typing import Dict, FrozenSet, List, Mapping, Optional, Tuple, Union
 
 import torch
 from torch import nn
@@ -72,6 +72,8 @@ class ModelCosts:
         rows: dim-0 size per tensor (1 for a scalar); empty: a tensor's rows are its elements.
         matmul_shape: ``(in, out)`` of the widest matrix product in a block (GPT-2: the MLP's
             ``(C, 4 C)``), where ``--calibrate`` measures this model's rates.
+        frozen: indices of the tensors that take no gradient (``requires_grad=False``: a LoRA
+            model's base weights): no gradient, optimizer state or reduction.
     """
 
     name: str
@@ -86,10 +88,20 @@ class ModelCosts:
     block_per_token: tuple = (0, 0)
     rows: List[int] = field(default_factory=list)
     matmul_shape: Tuple[int, int] = (1024, 4096)
+    frozen: FrozenSet[int] = frozenset()
 
     @property
     def num_params(self) -> int:
         return sum(self.tensors)
+
+    @property
+    def trainable(self) -> List[int]:
+        """Indices of the tensors that take a gradient."""
+        return [t for t in range(len(self.tensors)) if t not in self.frozen]
+
+    @property
+    def num_trainable(self) -> int:
+        return sum(self.tensors[t] for t in self.trainable)
 
     def padded_numel(self, tensor: int, shards: int) -> int:
         """Elements of tensor ``tensor`` as FSDP lays it out over ``shards`` ranks: its rows
@@ -98,20 +110,33 @@ class ModelCosts:
         rows = self.rows[tensor] if self.rows else numel
         return -(-rows // shards) * shards * (numel // rows if rows else 0)
 
-    def fsdp_rank_elements(self, shards: int) -> List[Tuple[int, int]]:
-        """Per rank of an FSDP shard group of ``shards``, ``(held, updated)`` elements: each
-        rank holds every tensor's padded shard (parameters, gradients) and updates the real rows
-        in it (optimizer state): rows ``[r c, (r + 1) c)`` of R, c = ceil(R / shards), so the
-        first ranks update the most, and a tensor of fewer rows than ranks (a mixture's
-        experts) leaves the last ones nothing."""
+    def fsdp_rank_elements(self, shards: int) -> List[Tuple[int, int, int]]:
+        """Per rank of an FSDP shard group of ``shards``, ``(held, with gradients, updated)``
+        elements: each rank holds every tensor's padded shard (parameters; gradients of the
+        trainable ones) and updates the real rows in it (optimizer state): rows
+        ``[r c, (r + 1) c)`` of R, c = ceil(R / shards), so the first ranks update the most, and
+        a tensor of fewer rows than ranks (a mixture's experts) leaves the last ones nothing."""
         held = sum(self.padded_numel(t, shards) for t in range(len(self.tensors))) // shards
+        graded = sum(self.padded_numel(t, shards) for t in self.trainable) // shards
         updated = [0] * shards
-        for t, numel in enumerate(self.tensors):
+        for t in self.trainable:
+            numel = self.tensors[t]
             rows = self.rows[t] if self.rows else numel
             chunk = -(-rows // shards)
             for rank in range(min(shards, -(-rows // chunk) if chunk else 0)):
                 updated[rank] += min(chunk, rows - rank * chunk) * (numel // rows)
-        return [(held, n) for n in updated]
+        return [(held, graded, n) for n in updated]
+
+    def zero3_owners(self, ranks: int) -> List[int]:
+        """The owner rank of each tensor under ``Zero3``'s default partition (it reads sizes
+        only, so ``meta`` tensors of the same sizes give the same table)."""
+        from tiny_fsdp.core.zero3 import zero3_partition_tensors
+
+        named = [
+            (str(i), torch.empty(numel, device="meta")) for i, numel in enumerate(self.tensors)
+        ]
+        table, _ = zero3_partition_tensors(named, ["cpu"] * ranks)
+        return [table[str(i)] for i in range(len(self.tensors))]
 
     def calibration_shape(self, tokens: int) -> Tuple[int, int, int]:
         """``(rows, in, out)`` of the matrix product (and, ``(rows, out)``, the elementwise work)
@@ -146,8 +171,11 @@ def _layers_and_tensors(model: nn.Module):
     index: Dict[int, int] = {}
     tensors: List[int] = []
     rows: List[int] = []
+    frozen = set()
     for p in model.parameters():  # a tied parameter once
         index[id(p)] = len(tensors)
+        if not p.requires_grad:
+            frozen.add(len(tensors))
         tensors.append(p.numel())
         rows.append(p.shape[0] if p.dim() else 1)
     # Every module holding parameters is a layer; a tied weight is in each layer that uses it.
@@ -178,7 +206,7 @@ def _layers_and_tensors(model: nn.Module):
     ]
     widest = max(weights, key=lambda shape: shape.numel(), default=None)
     matmul_shape = (min(widest), max(widest)) if widest else ModelCosts.matmul_shape
-    return tensors, rows, layers, units, layer_matmul, matmul_shape
+    return tensors, rows, layers, units, layer_matmul, matmul_shape, frozenset(frozen)
 
 
 def _grouped_matmul(
@@ -206,7 +234,7 @@ def gpt2_costs(config: GPTConfig, name: str = "gpt2") -> ModelCosts:
     """``ModelCosts`` of ``GPT2Model(config)``, built on ``meta`` ([Note: model costs])."""
     with torch.device("meta"):
         model = GPT2Model(config)
-    tensors, rows, layers, units, layer_matmul, matmul_shape = _layers_and_tensors(model)
+    tensors, rows, layers, units, layer_matmul, matmul_shape, _ = _layers_and_tensors(model)
     c, v, h = config.n_embd, config.vocab_size, config.n_head
     per_layer = 12 * c * c  # c_attn 3 C^2, c_proj C^2, c_fc 4 C^2, c_proj 4 C^2
     block = (16 * c, 4 * 4 + 4 * h)
@@ -248,7 +276,7 @@ def module_costs(
     config = getattr(model, "config", None)
     if isinstance(model, GPT2Model) and isinstance(config, GPTConfig):
         return gpt2_costs(config, name)
-    tensors, rows, layers, units, layer_matmul, matmul_shape = _layers_and_tensors(model)
+    tensors, rows, layers, units, layer_matmul, matmul_shape, frozen = _layers_and_tensors(model)
     matmul = sum(layer_matmul)
     act, kept, block, other_flops = (0.0, 0.0), None, (0.0, 0.0), 0.0
     if example_input is not None:
@@ -270,5 +298,5 @@ def module_costs(
         other_flops = max(0.0, saved.forward_flops - 2.0 * matmul * tokens) / (tokens * seq_len)
     return ModelCosts(
         name, tensors, layers, units, layer_matmul, matmul, other_flops, act, kept, block, rows,
-        matmul_shape,
+        matmul_shape, frozen,
     )  # fmt: skip

@@ -3,10 +3,12 @@
 [Note: what the planner predicts]
 For each strategy, per rank (the largest rank where ranks differ):
 
-    peak_bytes = model states            ZeRO formulas ([Note: ZeRO memory formulas]); ZeRO-3
-                                          from its partition table when the model is known;
-                                          FSDP from its shards (rows padded, the first ranks
-                                          updating the most rows: ``fsdp_rank_elements``)
+    peak_bytes = model states            ZeRO formulas ([Note: ZeRO memory formulas]), the
+                                          trainable tensors' gradients and optimizer state
+                                          only; ZeRO-3 by its partition table, FSDP by its
+                                          shards (rows padded, the first ranks updating the
+                                          most rows); bf16 in the dtypes each strategy keeps
+                                          (``model_states``)
                + activations              kept for backward by this rank's batch ([Note: model
                                           costs])
                + transient buffers        gathered parameters, reduction / staging buffers in
@@ -36,7 +38,7 @@ import torch
 from torch import nn
 
 from tiny_fsdp.core.memory import MemoryReport
-from tiny_fsdp.estimate import bytes_per_param, estimate_memory, estimate_model
+from tiny_fsdp.estimate import bytes_per_param
 from tiny_fsdp.plan.calibration import Calibration, load_calibration
 from tiny_fsdp.plan.model_costs import ModelCosts, module_costs
 from tiny_fsdp.plan.schedules import INTER_GROUP, StepSetup, plan_step
@@ -72,6 +74,38 @@ class Prediction:
         return {k: v for k, v in asdict(self).items() if k in keys}
 
 
+def model_states(
+    costs: ModelCosts, strategy: str, ranks: int, precision: str = "fp32", optimizer: str = "adamw"
+) -> List[MemoryReport]:
+    """Per rank of ``ranks`` (FSDP's: of a shard group), the model states ``strategy`` keeps:
+    every tensor's parameters, gradients and optimizer state of the trainable ones (a frozen
+    tensor has neither), laid out as the strategy lays them out (ZeRO-3 by its partition table,
+    FSDP by its shards), in the bytes it keeps them. fp32: the ZeRO formulas' ([Note: ZeRO
+    memory formulas]). bf16: ZeRO-1/2 the formulas' (bf16 parameters and gradients, fp32
+    masters in the optimizer's shard); DDP, ZeRO-3 and FSDP keep fp32 parameters (their own
+    masters) and fp32 gradients, DDP with a bf16 copy of every parameter to compute with."""
+    p, g, k = bytes_per_param(precision, optimizer)
+    if precision == "bf16" and strategy not in ("zero1", "zero2"):
+        p, g, k = (6 if strategy == "ddp" else 4), 4, k - 4
+    psi, trained = costs.num_params, costs.num_trainable
+    if strategy in ("ddp", "zero1", "zero2"):
+        grads = trained / ranks if strategy == "zero2" else trained
+        state = trained if strategy == "ddp" else trained / ranks
+        return [MemoryReport(round(p * psi), round(g * grads), round(k * state))] * ranks
+    if strategy == "zero3":  # whole tensors, each on its owner
+        owner, trainable = costs.zero3_owners(ranks), set(costs.trainable)
+        owned = [[t for t in range(len(owner)) if owner[t] == r] for r in range(ranks)]
+        held = [sum(costs.tensors[t] for t in o) for o in owned]
+        graded = [sum(costs.tensors[t] for t in o if t in trainable) for o in owned]
+        return [MemoryReport(p * h, g * t, k * t) for h, t in zip(held, graded)]
+    if strategy in ("fsdp", "hsdp"):  # its shards, padding and all
+        return [
+            MemoryReport(p * held, g * graded, k * updated)
+            for held, graded, updated in costs.fsdp_rank_elements(ranks)
+        ]
+    raise ValueError(f"unknown strategy {strategy!r}")
+
+
 def plan(
     costs: ModelCosts,
     calibration: Union[Calibration, str],
@@ -83,19 +117,16 @@ def plan(
     grad_ckpt: bool = False,
     gpu_memory: Optional[float] = None,
     hsdp_replicas: Optional[int] = None,
-    model_states: Optional[Dict[str, List]] = None,
     strategies: Sequence[str] = STRATEGIES,
 ) -> Dict[str, Prediction]:
-    """``{strategy: Prediction}``; ``batch_size`` is per rank. ``model_states``: per-rank
-    ``MemoryReport``s per strategy (``estimate_model``'s), else the ZeRO formulas with
-    ``Psi / N``. With ``hsdp_replicas`` = R, also ``"hsdp"``: FSDP over ``N / R`` ranks.
-    ``calibration``: a ``Calibration``, a preset's name (``"h100_sxm"``) or a calibration file."""
+    """``{strategy: Prediction}``; ``batch_size`` is per rank. With ``hsdp_replicas`` = R, also
+    ``"hsdp"``: FSDP over ``N / R`` ranks. ``calibration``: a ``Calibration``, a preset's name
+    (``"h100_sxm"``) or a calibration file."""
     calibration = _calibration(calibration)
     if hsdp_replicas is not None and (hsdp_replicas < 1 or world_size % hsdp_replicas):
         raise ValueError(f"--hsdp {hsdp_replicas} must divide world_size {world_size}")
     p_bytes, _, _ = bytes_per_param(precision, optimizer)
     act_bytes = 2 if precision == "bf16" else 4
-    states = model_states or estimate_memory(costs.num_params, world_size, precision, optimizer)
     names = list(strategies) + (["hsdp"] if hsdp_replicas else [])
     tokens = batch_size * seq_len
     activations = costs.activation_bytes(tokens, act_bytes, grad_ckpt)
@@ -107,14 +138,7 @@ def plan(
             replicas,
         )  # fmt: skip
         step = plan_step(name, setup)
-        if name in ("fsdp", "hsdp"):  # its shard layout, padding and all
-            p, g, k = bytes_per_param(precision, optimizer)
-            per_rank = [
-                MemoryReport(p * held, g * held, k * updated)
-                for held, updated in costs.fsdp_rank_elements(world_size // replicas)
-            ]
-        else:
-            per_rank = states[name]
+        per_rank = model_states(costs, name, world_size // replicas, precision, optimizer)
         model_state = max(r.model_states for r in per_rank)
         peak = model_state + activations + step.transient_bytes
         out[name] = Prediction(
@@ -158,10 +182,9 @@ def plan_model(
     calibration = _calibration(calibration)
     device = device_type(calibration)
     costs = batch_costs(model, batch_size, seq_len, device, example_input, precision=precision)
-    states = estimate_model(model, world_size, precision, optimizer)
     return plan(
         costs, calibration, world_size, batch_size, seq_len, precision, optimizer, grad_ckpt,
-        gpu_memory, hsdp_replicas, states,
+        gpu_memory, hsdp_replicas,
     )  # fmt: skip
 
 

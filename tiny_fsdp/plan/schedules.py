@@ -39,7 +39,6 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Tuple
 
-import torch
 
 from tiny_fsdp.core.comm import ring_bytes
 from tiny_fsdp.core.overflow import AGREEMENT_BYTES
@@ -118,16 +117,6 @@ def _ceil_to(n: int, k: int) -> int:
     return -(-n // k) * k
 
 
-def _zero3_owners(costs: ModelCosts, n: int) -> List[int]:
-    """The owner rank of each tensor under ``Zero3``'s default partition (it reads sizes
-    only, so ``meta`` tensors of the same sizes give the same table)."""
-    from tiny_fsdp.core.zero3 import zero3_partition_tensors
-
-    named = [(str(i), torch.empty(numel, device="meta")) for i, numel in enumerate(costs.tensors)]
-    table, _ = zero3_partition_tensors(named, ["cpu"] * n)
-    return [table[str(i)] for i in range(len(costs.tensors))]
-
-
 def _layer_seconds(s: StepSetup, strategy: str, unit_groups: int = 0) -> List[float]:
     """Forward seconds per layer ([Note: strategy schedules]); backward takes twice as long.
     ``unit_groups``: ZeRO-3 / FSDP's units, or ZeRO-3's (unit, owner) pairs, which each cost
@@ -183,7 +172,7 @@ def _bucket_members(s: StepSetup) -> List[List[int]]:
     cap = BUCKET_CAP_BYTES // s.param_bytes
     out: List[List[int]] = []
     filled = 0
-    for i in reversed(range(len(s.costs.tensors))):
+    for i in reversed(s.costs.trainable):  # a frozen tensor has no gradient to reduce
         n = s.costs.tensors[i]
         if not out or (filled > 0 and filled + n > cap):
             out.append([])
@@ -228,12 +217,12 @@ def _bucketed(s: StepSetup, zero_stage: int) -> StepPlan:
             launched.append(tl.add("comm", seconds, label=f"reduce bucket {len(launched)}"))
     tl.wait(launched)
     if zero_stage:  # which tensors had a gradient: a flag each ([Note: ZeRO gradient stores])
-        flags = FLAG_DTYPE.itemsize * len(s.costs.tensors)
+        flags = FLAG_DTYPE.itemsize * len(s.costs.trainable)
         tl.wait([tl.add("comm", comms.seconds("all_reduce", flags, n))])
     if zero_stage == 0:
-        optimizer = _optimizer_s(cal, s.costs.num_params, len(s.costs.tensors))
+        optimizer = _optimizer_s(cal, s.costs.num_trainable, len(s.costs.trainable))
     else:
-        optimizer = _optimizer_s(cal, s.costs.num_params / n, _zero_pieces(s, members, buckets))
+        optimizer = _optimizer_s(cal, s.costs.num_trainable / n, _zero_pieces(s, members, buckets))
     tl.add("compute", optimizer, label="optimizer")
     if zero_stage:
         gathers = []
@@ -278,21 +267,31 @@ def _unit_schedule(s: StepSetup, strategy: str) -> StepPlan:
         return _planned(tl, comms, 0)
     unit_of: Dict[int, int] = {t: u for u, unit in enumerate(costs.units) for t in unit}
     layer_unit = [unit_of[layer[0]] for layer in costs.layers]
+    trainable = set(costs.trainable)  # the others are gathered, not reduced nor stepped
     if zero3:  # whole tensors; one collective per owner of the unit's tensors
-        owner = _zero3_owners(costs, n)
-        parts: List[List[int]] = []
-        for unit in costs.units:
+        owner = costs.zero3_owners(n)
+
+        def per_owner(tensors: List[int]) -> List[int]:
             by_owner: Dict[int, int] = {}
-            for t in unit:
+            for t in tensors:
                 by_owner[owner[t]] = by_owner.get(owner[t], 0) + costs.tensors[t]
-            parts.append([by_owner[r] for r in sorted(by_owner)])
-        owned = [(sum(costs.tensors[t] for t in range(len(owner)) if owner[t] == r),
-                  owner.count(r)) for r in range(n)]  # fmt: skip
-        optimizer = max(_optimizer_s(cal, params, tensors) for params, tensors in owned)
+            return [by_owner[r] for r in sorted(by_owner)]
+
+        parts = [per_owner(unit) for unit in costs.units]
+        grad_parts = [per_owner([t for t in unit if t in trainable]) for unit in costs.units]
+        owned = [[t for t in trainable if owner[t] == r] for r in range(n)]
+        optimizer = max(_optimizer_s(cal, sum(costs.tensors[t] for t in o), len(o)) for o in owned)
     else:  # dim-0 shards, rows padded to a multiple of n; one collective per unit
-        parts = [[sum(costs.padded_numel(t, n) for t in unit)] for unit in costs.units]
-        optimizer = _optimizer_s(cal, costs.num_params / n, len(costs.tensors))  # every tensor
+
+        def padded(tensors: List[int]) -> List[int]:
+            numel = sum(costs.padded_numel(t, n) for t in tensors)
+            return [numel] if numel else []
+
+        parts = [padded(unit) for unit in costs.units]
+        grad_parts = [padded([t for t in unit if t in trainable]) for unit in costs.units]
+        optimizer = _optimizer_s(cal, costs.num_trainable / n, len(trainable))
     numel = [sum(p) for p in parts]
+    grad_numel = [sum(p) for p in grad_parts]
     # A wrapper cost per unit; ZeRO-3's per owner of a unit's tensors (a buffer, a broadcast
     # and a reduction for each).
     fwd = _layer_seconds(s, strategy, sum(map(len, parts)) if zero3 else units)
@@ -330,14 +329,14 @@ def _unit_schedule(s: StepSetup, strategy: str) -> StepPlan:
         current = tl.add("compute", fwd[i] * (2 + s.grad_ckpt), [full[u]])
         if last_bwd_layer[u] != i:
             continue
-        for part in parts[u]:  # the unit's gradients, one reduction per group
+        for part in grad_parts[u]:  # the unit's gradients, one reduction per group
             if len(reductions) >= IN_FLIGHT:
                 tl.wait([reductions[-IN_FLIGHT]])
             seconds = comms.seconds(reduce_kind, part * s.param_bytes, n, group)
             if s.replicas > 1:  # then across the replica groups, over the inter-node link
                 seconds += comms.seconds(
                     "all_reduce",
-                    numel[u] // n * s.param_bytes,
+                    grad_numel[u] // n * s.param_bytes,
                     s.replicas,
                     INTER_GROUP,
                     inter_node=True,
@@ -359,7 +358,7 @@ def _unit_schedule(s: StepSetup, strategy: str) -> StepPlan:
         ahead = sum(numel[u] for u in units_fwd[1 : 1 + prefetch])
         unsharded = max(unsharded, 2 * numel[first] + ahead)
     unsharded *= s.param_bytes
-    reducing = sum(sorted(numel)[-(IN_FLIGHT + 1) :]) * s.param_bytes
+    reducing = sum(sorted(grad_numel)[-(IN_FLIGHT + 1) :]) * s.param_bytes
     return _planned(tl, comms, unsharded + reducing, unsharded)
 
 
