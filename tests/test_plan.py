@@ -783,6 +783,26 @@ def test_plan_model_charges_frozen_parameters_no_gradients_nor_optimizer_state()
         assert {k: n for (_, k), n in planned.calls.items()} == calls, name
 
 
+def test_a_frozen_weight_s_backward_is_planned_as_its_input_gradient_alone():
+    """[Note: strategy schedules]: a layer's backward takes twice its forward (the input's and
+    the weights' gradients), less the frozen share of its parameters, whose backward computes
+    the input's gradient alone."""
+    from tiny_fsdp.plan import plan_model
+
+    calibration = dataclasses.replace(
+        load_calibration("a100_sxm"), optimizer_s_per_param=0.0, optimizer_s_per_tensor=0.0
+    )
+    x = torch.randn(2, 16, 64)
+    layer = nn.Linear(64, 64)
+    trained = plan_model(layer, calibration, 1, 2, 16, example_input=x)["ddp"].compute_ms
+    layer.weight.requires_grad_(False)
+    adapted = plan_model(layer, calibration, 1, 2, 16, example_input=x)["ddp"].compute_ms
+    frozen_share = layer.weight.numel() / (layer.weight.numel() + layer.bias.numel())
+    # Within 0.1 %: the frozen weight's forward saves no input for its gradient, so the
+    # elementwise term, charged per byte kept, is a little smaller too.
+    assert adapted / trained == pytest.approx((1 + 2 - frozen_share) / 3, rel=1e-3)
+
+
 def test_plan_model_takes_the_forward_s_keyword_arguments_or_says_what_to_pass():
     """An input that is not token ids is given as the example (a tensor, or the forward's
     keyword arguments): (B, T) ids, or B samples of seq_len tokens (features, images); a model
