@@ -28,7 +28,9 @@ Not predicted: activations, temporaries (gathered parameters, buckets being redu
 allocator overheads, padding and the few bytes of per-tensor optimizer counters. The memory
 ledger (``tiny_fsdp.core.memory``) measures the real tensors; tests hold the two within 5%.
 ``python -m tiny_fsdp.plan`` adds activations, transient buffers and step time to these
-formulas ([Note: what the planner predicts]).
+formulas, and lays the model states out as each strategy keeps them: frozen tensors without
+gradients or optimizer state, FSDP's padded rows, under bf16 each strategy's dtypes ([Note:
+what the planner predicts]).
 """
 
 import argparse

@@ -42,7 +42,6 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Tuple
 
-
 from tiny_fsdp.core.comm import ring_bytes
 from tiny_fsdp.core.overflow import AGREEMENT_BYTES
 from tiny_fsdp.core.zero.grad_stores import FLAG_DTYPE
@@ -121,7 +120,7 @@ def _ceil_to(n: int, k: int) -> int:
 
 
 def _layer_seconds(s: StepSetup, strategy: str, unit_groups: int = 0) -> List[float]:
-    """Forward seconds per layer ([Note: strategy schedules]); backward takes twice as long.
+    """Forward seconds per layer ([Note: strategy schedules]; backward: ``_backward_seconds``).
     ``unit_groups``: ZeRO-3 / FSDP's units, or ZeRO-3's (unit, owner) pairs, which each cost
     ``wrapper_unit_s``."""
     cal, costs = s.calibration, s.costs
