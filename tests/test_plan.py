@@ -413,6 +413,18 @@ def test_cli_json_has_every_strategy_for_every_example_preset():
             assert out[strategy]["peak_bytes"] == plans[strategy].peak_bytes
 
 
+def test_the_readme_s_plan_is_what_its_command_prints():
+    """The README's planner example: its command, run as written, prints its table."""
+    from tiny_fsdp.plan.__main__ import main
+
+    readme = open(os.path.join(os.path.dirname(__file__), "..", "README.md")).read()
+    section = readme.split("## Planner", 1)[1]
+    command = section.split("python -m tiny_fsdp.plan ", 1)[1].split("#", 1)[0]
+    shown = section.split("```\n", 2)[2].split("```", 1)[0]  # the block after the command's
+    assert shown.startswith("gpt2_xl:")
+    assert main(command.replace("\\\n", " ").split()).strip() == shown.strip()
+
+
 def test_the_cli_plans_a_model_by_size_or_by_config_file(tmp_path):
     """``--num_params N --n_layer L``: a GPT-2 of about N parameters (its width rounded to whole
     heads); ``--config FILE``: the GPTConfig fields of a file, planned as the same preset."""
