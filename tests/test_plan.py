@@ -296,12 +296,11 @@ def _two_rank_steps(rank, world):
     return {
         "gathered": _gathered_peaks(rank, world),
         "bf16": _second_steps(rank, lambda: GPT2Model(CONFIG), "bf16"),
-        "experts": _fsdp_model_states(rank, world),
+        "experts": _second_steps(rank, _ThreeExperts),
         "frozen": _second_steps(rank, _LowRankLM),
     }
 
 
-@functools.lru_cache(maxsize=None)
 def _on_2_ranks(what: str) -> list:
     """Each rank's ``_two_rank_steps()[what]``; one run per test session."""
     return [r[what] for r in _two_rank_runs()]
@@ -721,19 +720,6 @@ class _ThreeExperts(nn.Module):
         return self.head(F.gelu(h))
 
 
-def _fsdp_model_states(rank, world):
-    """This rank's model states under FSDP after one AdamW step of ``_ThreeExperts``."""
-    from tiny_fsdp.core import FSDP, FSDPAdamW
-    from tiny_fsdp.core.memory import memory_ledger
-
-    torch.manual_seed(0)
-    model = FSDP(_ThreeExperts())
-    optimizer = FSDPAdamW(model.named_parameters(), lr=1e-3)
-    F.log_softmax(model(torch.randint(0, 50, (2, 8))), -1).sum().backward()
-    optimizer.step()
-    return memory_ledger(model, optimizer).model_states
-
-
 def test_plan_model_holds_fsdp_to_its_most_loaded_rank():
     """FSDP pads each tensor's rows to a multiple of the ranks, and a rank keeps optimizer
     state for the real rows of its shard: with 3 experts on 2 ranks, rank 0 for 2, rank 1 for
@@ -741,7 +727,7 @@ def test_plan_model_holds_fsdp_to_its_most_loaded_rank():
     which the formulas leave out."""
     from tiny_fsdp.plan import plan_model
 
-    real = _on_2_ranks("experts")
+    real = [steps["fsdp"][0] for steps in _on_2_ranks("experts")]
     planned = plan_model(_ThreeExperts(), "a100_sxm", 2, 2, 8)["fsdp"].model_state_bytes
     counters = 4 * len(list(_ThreeExperts().parameters()))
     assert real[0] > real[1]

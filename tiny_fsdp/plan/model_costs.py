@@ -103,12 +103,15 @@ class ModelCosts:
     def num_trainable(self) -> int:
         return sum(self.tensors[t] for t in self.trainable)
 
+    def rows_of(self, tensor: int) -> int:
+        """Tensor ``tensor``'s dim-0 size, which FSDP shards."""
+        return self.rows[tensor] if self.rows else self.tensors[tensor]
+
     def padded_numel(self, tensor: int, shards: int) -> int:
         """Elements of tensor ``tensor`` as FSDP lays it out over ``shards`` ranks: its rows
         padded to a multiple of ``shards``."""
-        numel = self.tensors[tensor]
-        rows = self.rows[tensor] if self.rows else numel
-        return -(-rows // shards) * shards * (numel // rows if rows else 0)
+        rows = self.rows_of(tensor)
+        return -(-rows // shards) * shards * (self.tensors[tensor] // rows if rows else 0)
 
     def fsdp_rank_elements(self, shards: int) -> List[Tuple[int, int, int]]:
         """Per rank of an FSDP shard group of ``shards``, ``(held, with gradients, updated)``
@@ -120,11 +123,10 @@ class ModelCosts:
         graded = sum(self.padded_numel(t, shards) for t in self.trainable) // shards
         updated = [0] * shards
         for t in self.trainable:
-            numel = self.tensors[t]
-            rows = self.rows[t] if self.rows else numel
+            rows = self.rows_of(t)
             chunk = -(-rows // shards)
             for rank in range(min(shards, -(-rows // chunk) if chunk else 0)):
-                updated[rank] += min(chunk, rows - rank * chunk) * (numel // rows)
+                updated[rank] += min(chunk, rows - rank * chunk) * (self.tensors[t] // rows)
         return [(held, graded, n) for n in updated]
 
     def zero3_owners(self, ranks: int) -> List[int]:
