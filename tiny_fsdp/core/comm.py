@@ -22,6 +22,16 @@ hybrid sharding]) is also counted under it in ``group_calls`` / ``group_payload_
 totals above count every collective, labelled or not. A label names the role, not the process
 group: one group can play both roles (a 1 x N mesh's shard group is the default group).
 
+[Note: complex payloads]
+NCCL has no complex type, and gloo in torch 2.8 refuses complex broadcasts, reduces and
+reduce-scatters ("Invalid scalar type"; 2.11 takes them); torch's own functions view complex as
+real for some collectives and not others (2.11: not its reduce or reduce-scatter). So every
+collective here hands the backend a complex tensor as the flat real view of its (real,
+imaginary) pairs: the same memory, twice the elements. That is exact: a copy moves the same
+bytes, and a sum or average of complex numbers is the sum or average of their parts; the pairs
+of one complex element never straddle two ranks' chunks (a chunk of k complex elements is 2k
+real ones). Other reductions (max, product) have no meaning on complex numbers and are refused.
+
 [Note: collectives on one rank]
 On a group of one rank every collective is the identity: an all-reduce, broadcast or reduce
 leaves the tensor as it is, an all-gather's output and a reduce-scatter's input are the rank's
@@ -176,6 +186,11 @@ def _issue(
                 "contiguous; collectives would send its memory in storage order (use "
                 "comm.broadcast_into for a parameter, or .contiguous())"
             )
+    if any(_is_complex(value) for value in (*args, *kw.values())):  # [Note: complex payloads]
+        if kw.get("op", dist.ReduceOp.SUM) not in (dist.ReduceOp.SUM, dist.ReduceOp.AVG):
+            raise ValueError(f"{kind}: {kw['op']} is not defined on complex tensors")
+        args = tuple(_as_real(value) for value in args)
+        kw = {key: _as_real(value) for key, value in kw.items()}
     LEDGER.record(kind, payload, label)
     if dist.get_world_size(group) == 1:  # [Note: collectives on one rank]
         fn = functools.partial(_on_one_rank, kind)
@@ -189,6 +204,16 @@ def _issue(
     if payload.is_cuda:
         lane += f" stream {torch.cuda.current_stream(payload.device).stream_id}"
     return rec.collective(kind, payload.numel() * payload.element_size(), lane, async_op, call)
+
+
+def _is_complex(value: Any) -> bool:
+    return isinstance(value, torch.Tensor) and value.is_complex()
+
+
+def _as_real(value: Any) -> Any:
+    """A complex tensor as the flat real tensor of its (real, imaginary) pairs, a view of the
+    same memory (2 * numel elements); anything else as it is ([Note: complex payloads])."""
+    return torch.view_as_real(value).view(-1) if _is_complex(value) else value
 
 
 class _DoneWork:
