@@ -9,7 +9,7 @@ setup(
     # repository root on sys.path), so no top-level ``example`` package lands in site-packages.
     packages=find_packages(include=["tiny_fsdp", "tiny_fsdp.*"]),
     package_data={"tiny_fsdp.plan": ["presets/*.json"]},  # the planner's hardware presets
-    python_requires=">=3.9",
+    python_requires=">=3.10",  # torch 2.9 (the oldest tested) asks for it
     # Everything the library and the examples import at run time (the examples' data reader
     # uses numpy). Tests, lint and plots are in the dev extras.
     # torch: the oldest release the test suite passed on ([Note: supported torch] in tiny_fsdp).
