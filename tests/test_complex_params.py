@@ -78,8 +78,10 @@ def _train(model: nn.Module, optimizer: Any, rank: int, max_norm: float, norm: f
 
 
 # What the wrappers' collectives reach in torch.distributed (gloo's path included).
-_BACKEND = ("broadcast", "all_reduce", "reduce", "all_gather_into_tensor", "reduce_scatter_tensor")
-_BACKEND += ("isend", "irecv", "send", "recv")
+_BACKEND = (
+    *("broadcast", "all_reduce", "reduce", "all_gather_into_tensor", "reduce_scatter_tensor"),
+    *("isend", "irecv", "send", "recv"),  # gloo's path pairs sends and receives
+)
 
 
 @contextlib.contextmanager

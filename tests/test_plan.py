@@ -291,6 +291,18 @@ def _as_planned(name: str, payload: dict, calls: dict) -> tuple:
     return payload, calls
 
 
+def _assert_planned_as_measured(plans: dict, real: list, left_out_at_most: int) -> None:
+    """Per strategy: the plan's model states are the busiest rank's ledger but for what the
+    formulas leave out (0 to ``left_out_at_most`` bytes), and its collectives are the ledger's,
+    bytes and calls, kind by kind (``real``: each rank's ``_second_steps``)."""
+    for name in STRATEGIES:
+        left_out = max(r[name][0] for r in real) - plans[name].model_state_bytes
+        assert 0 <= left_out <= left_out_at_most, (name, left_out)
+        payload, calls = _as_planned(name, *real[0][name][1:])
+        assert {k: n for (_, k), n in plans[name].payload_bytes.items()} == payload, name
+        assert {k: n for (_, k), n in plans[name].calls.items()} == calls, name
+
+
 def _two_rank_steps(rank, world):
     """What several tests read of 2 ranks, measured in one run."""
     return {
@@ -335,14 +347,8 @@ def test_planner_plans_bf16_as_each_strategy_keeps_it():
     a bf16 copy to compute with, 18 bytes a parameter where the ZeRO formula's are 16), but for
     at most 8 bytes a tensor (AdamW's step counters, DDP's flags)."""
     planned = plan(gpt2_costs(CONFIG), load_calibration("a100_sxm"), 2, 2, 16, precision="bf16")
-    real = _on_2_ranks("bf16")
     tensors = len(list(GPT2Model(CONFIG).parameters()))
-    for name in STRATEGIES:
-        left_out = max(r[name][0] for r in real) - planned[name].model_state_bytes
-        assert 0 <= left_out <= 8 * tensors, (name, left_out)
-        payload, calls = _as_planned(name, *real[0][name][1:])
-        assert {k: n for (_, k), n in planned[name].payload_bytes.items()} == payload, name
-        assert {k: n for (_, k), n in planned[name].calls.items()} == calls, name
+    _assert_planned_as_measured(planned, _on_2_ranks("bf16"), 8 * tensors)
 
 
 def test_planner_predicts_the_bytes_and_calls_of_every_collective_exactly():
@@ -769,16 +775,9 @@ def test_plan_model_charges_frozen_parameters_no_gradients_nor_optimizer_state()
     collectives are the ledger's, bytes and calls, kind by kind."""
     from tiny_fsdp.plan import plan_model
 
-    real = _on_2_ranks("frozen")
     plans = plan_model(_LowRankLM(), "a100_sxm", 2, 2, 8)
     trained = sum(p.requires_grad for p in _LowRankLM().parameters())
-    for name in STRATEGIES:
-        planned = plans[name]
-        left_out = max(r[name][0] for r in real) - planned.model_state_bytes
-        assert 0 <= left_out <= 8 * trained, name
-        payload, calls = _as_planned(name, *real[0][name][1:])
-        assert {k: n for (_, k), n in planned.payload_bytes.items()} == payload, name
-        assert {k: n for (_, k), n in planned.calls.items()} == calls, name
+    _assert_planned_as_measured(plans, _on_2_ranks("frozen"), 8 * trained)
 
 
 def test_a_frozen_weight_s_backward_is_planned_as_its_input_gradient_alone():

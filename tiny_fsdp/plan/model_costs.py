@@ -140,6 +140,13 @@ class ModelCosts:
         table, _ = zero3_partition_tensors(named, ["cpu"] * ranks)
         return [table[str(i)] for i in range(len(self.tensors))]
 
+    def zero3_owned(self, ranks: int, trainable_only: bool = False) -> List[List[int]]:
+        """Per rank, the indices of the tensors it owns under ``Zero3`` (``zero3_owners``); with
+        ``trainable_only``, of those it steps."""
+        owner = self.zero3_owners(ranks)
+        tensors = self.trainable if trainable_only else range(len(self.tensors))
+        return [[t for t in tensors if owner[t] == rank] for rank in range(ranks)]
+
     def calibration_shape(self, tokens: int) -> Tuple[int, int, int]:
         """``(rows, in, out)`` of the matrix product (and, ``(rows, out)``, the elementwise work)
         that calibrates this model's rates ([Note: calibration]): a rank's tokens as rows, at

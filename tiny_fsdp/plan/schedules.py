@@ -293,8 +293,10 @@ def _unit_schedule(s: StepSetup, strategy: str) -> StepPlan:
 
         parts = [per_owner(unit) for unit in costs.units]
         grad_parts = [per_owner([t for t in unit if t in trainable]) for unit in costs.units]
-        owned = [[t for t in trainable if owner[t] == r] for r in range(n)]
-        optimizer = max(_optimizer_s(cal, sum(costs.tensors[t] for t in o), len(o)) for o in owned)
+        optimizer = max(
+            _optimizer_s(cal, sum(costs.tensors[t] for t in o), len(o))
+            for o in costs.zero3_owned(n, trainable_only=True)
+        )
     else:  # dim-0 shards, rows padded to a multiple of n; one collective per unit
 
         def padded(tensors: List[int]) -> List[int]:
