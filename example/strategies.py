@@ -41,6 +41,16 @@ def _optimizer(adamw_cls, sgd_cls, named_params, decay, args, **extra) -> torch.
     return adamw_cls(groups, lr=args.lr, **extra)
 
 
+def resolve_precision(name: str, device: torch.device) -> str:
+    """``--precision auto``, the examples' default: ``"bf16"`` on a CUDA GPU that computes in
+    bf16 (its tensor cores; fp32 master weights and optimizer state stay), ``"fp32"`` anywhere
+    else. Any other name is returned as given."""
+    if name != "auto":
+        return name
+    on_bf16_gpu = torch.device(device).type == "cuda" and torch.cuda.is_bf16_supported()
+    return "bf16" if on_bf16_gpu else "fp32"
+
+
 def _precision(args: argparse.Namespace) -> dict:
     """``{"mixed_precision": policy}`` for ``--precision bf16``, ``{}`` for fp32."""
     policy = MixedPrecisionPolicy.from_name(getattr(args, "precision", "fp32"))

@@ -26,7 +26,7 @@ from tqdm import tqdm
 
 from example.data import TokenBatches, check_vocab, default_corpus_description, load_tokens
 from example.models import logits_of, model_names, model_spec
-from example.strategies import STRATEGIES, build_strategy
+from example.strategies import STRATEGIES, build_strategy, resolve_precision
 from example.tokenizer import get_tokenizer
 from tiny_fsdp.checkpoint import has_checkpoint, load_checkpoint, save_checkpoint
 from tiny_fsdp.core.utils.dist import DistEnv, init_distributed
@@ -78,9 +78,10 @@ def build_arg_parser(strategy: str) -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--precision",
-        default="fp32",
-        choices=["fp32", "bf16"],
-        help="bf16: compute and communicate in bf16, fp32 master weights and optimizer state",
+        default="auto",
+        choices=["auto", "fp32", "bf16"],
+        help="bf16: compute and communicate in bf16, fp32 master weights and optimizer state; "
+        "auto: bf16 on a CUDA GPU that supports it, else fp32",
     )
     p.add_argument(
         "--on_nonfinite",
@@ -189,6 +190,7 @@ def main(strategy: str, argv: Optional[List[str]] = None) -> List[float]:
         raise ValueError(f"unknown strategy {strategy!r}; choose one of {sorted(STRATEGIES)}")
     args = build_arg_parser(strategy).parse_args(argv)
     env = setup(strategy, args)
+    args.precision = resolve_precision(args.precision, env.device)
     master = env.is_master
     torch.manual_seed(args.seed)
 
@@ -208,7 +210,7 @@ def main(strategy: str, argv: Optional[List[str]] = None) -> List[float]:
     if master:
         source = args.data or default_corpus_description()
         print(
-            f"{strategy} | {env.world_size} rank(s) on {env.device} | model "
+            f"{strategy} | {env.world_size} rank(s) on {env.device} | {args.precision} | model "
             f"{args.init_from or args.model} "
             f"({spec.num_parameters() / 1e6:.2f}M params) | "
             f"{tokens.numel():,} tokens ({tokenizer.name}) from {source}"

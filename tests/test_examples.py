@@ -21,8 +21,10 @@ import sys
 from typing import List
 
 import pytest
+import torch
 
 from example import trainer
+from example.strategies import resolve_precision
 from tests.harness import as_a_launched_job, run_distributed
 from tests.parity import LOSS_ATOL as PARITY_LOSS_ATOL
 
@@ -96,9 +98,22 @@ def test_the_fsdp_example_launched_with_torchrun_matches_single_device(
     common, single_device_losses
 ):
     out = _run([*_torchrun(2), "example/fsdp/train.py", *common, "--batch_size", "2"])
+    assert "2 rank(s) on cpu | fp32 |" in out  # --precision auto on the CPU
     losses = _losses(out)
     for ours, ref in zip(losses, single_device_losses):
         assert abs(ours - ref) <= LOSS_ATOL, (losses, single_device_losses)
+
+
+def test_precision_defaults_to_bf16_on_a_gpu_with_bf16_and_to_fp32_elsewhere(monkeypatch):
+    """``--precision auto``: the fast choice where the examples run, bf16 on a CUDA GPU that
+    computes in it (its tensor cores), fp32 on the CPU; a precision asked for is kept."""
+    assert trainer.build_arg_parser("fsdp").parse_args([]).precision == "auto"
+    cpu, gpu = torch.device("cpu"), torch.device("cuda", 0)
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *args, **kwargs: True)
+    assert [resolve_precision("auto", gpu), resolve_precision("auto", cpu)] == ["bf16", "fp32"]
+    assert [resolve_precision("fp32", gpu), resolve_precision("bf16", cpu)] == ["fp32", "bf16"]
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *args, **kwargs: False)
+    assert resolve_precision("auto", gpu) == "fp32"  # e.g. a V100
 
 
 def _trainer_on_the_ranks(rank: int, world_size: int, strategy: str, argv: List[str]) -> list:
