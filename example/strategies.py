@@ -43,11 +43,14 @@ def _optimizer(adamw_cls, sgd_cls, named_params, decay, args, **extra) -> torch.
 
 def resolve_precision(name: str, device: torch.device) -> str:
     """``--precision auto``, the examples' default: ``"bf16"`` on a CUDA GPU that computes in
-    bf16 (its tensor cores; fp32 master weights and optimizer state stay), ``"fp32"`` anywhere
-    else. Any other name is returned as given."""
+    bf16 natively (its tensor cores; fp32 master weights and optimizer state stay), ``"fp32"``
+    anywhere else, also where torch would only emulate bf16 (before Ampere). Any other name is
+    returned as given."""
     if name != "auto":
         return name
-    on_bf16_gpu = torch.device(device).type == "cuda" and torch.cuda.is_bf16_supported()
+    on_bf16_gpu = torch.device(device).type == "cuda" and torch.cuda.is_bf16_supported(
+        including_emulation=False
+    )
     return "bf16" if on_bf16_gpu else "fp32"
 
 

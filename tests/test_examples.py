@@ -106,14 +106,19 @@ def test_the_fsdp_example_launched_with_torchrun_matches_single_device(
 
 def test_precision_defaults_to_bf16_on_a_gpu_with_bf16_and_to_fp32_elsewhere(monkeypatch):
     """``--precision auto``: the fast choice where the examples run, bf16 on a CUDA GPU that
-    computes in it (its tensor cores), fp32 on the CPU; a precision asked for is kept."""
+    computes in it natively (its tensor cores), fp32 on the CPU and where bf16 would only be
+    emulated; a precision asked for is kept."""
     assert trainer.build_arg_parser("fsdp").parse_args([]).precision == "auto"
     cpu, gpu = torch.device("cpu"), torch.device("cuda", 0)
-    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *args, **kwargs: True)
+
+    def gpu_with(native: bool, emulated: bool):  # torch.cuda.is_bf16_supported's answers
+        return lambda including_emulation=True: native or (including_emulation and emulated)
+
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", gpu_with(native=True, emulated=True))
     assert [resolve_precision("auto", gpu), resolve_precision("auto", cpu)] == ["bf16", "fp32"]
     assert [resolve_precision("fp32", gpu), resolve_precision("bf16", cpu)] == ["fp32", "bf16"]
-    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *args, **kwargs: False)
-    assert resolve_precision("auto", gpu) == "fp32"  # e.g. a V100
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", gpu_with(native=False, emulated=True))
+    assert resolve_precision("auto", gpu) == "fp32"  # a V100: bf16 only emulated, slow
 
 
 def _trainer_on_the_ranks(rank: int, world_size: int, strategy: str, argv: List[str]) -> list:
