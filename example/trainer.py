@@ -81,7 +81,7 @@ def build_arg_parser(strategy: str) -> argparse.ArgumentParser:
         default="auto",
         choices=["auto", "fp32", "bf16"],
         help="bf16: compute and communicate in bf16, fp32 master weights and optimizer state; "
-        "auto: bf16 on a CUDA GPU that supports it, else fp32",
+        "auto: bf16 on a CUDA GPU with native bf16 (Ampere or newer), else fp32",
     )
     p.add_argument(
         "--on_nonfinite",
