@@ -93,8 +93,9 @@ def model_states(
         state = trained if strategy == "ddp" else trained / ranks
         return [MemoryReport(round(p * psi), round(g * grads), round(k * state))] * ranks
     if strategy == "zero3":  # whole tensors, each on its owner
-        held = [sum(costs.tensors[t] for t in o) for o in costs.zero3_owned(ranks)]
-        graded = [sum(costs.tensors[t] for t in o) for o in costs.zero3_owned(ranks, True)]
+        owned, trainable = costs.zero3_owned(ranks), set(costs.trainable)
+        held = [sum(costs.tensors[t] for t in o) for o in owned]
+        graded = [sum(costs.tensors[t] for t in o if t in trainable) for o in owned]
         return [MemoryReport(p * h, g * t, k * t) for h, t in zip(held, graded)]
     if strategy in ("fsdp", "hsdp"):  # its shards, padding and all
         return [
