@@ -49,7 +49,9 @@ caller waits before it reads ``output`` (the asynchronous reductions, [Note: asy
 reduction], and the streams' ``wait``). The sends carry a tag of their own (``P2P_TAG``), and
 gloo matches the messages between two ranks in the order they were sent, so reduce-scatters and
 reduces in flight at once pair up in issue order, as collectives do. NCCL and other backends use
-their own all-gather, reduce-scatter and reduce.
+their own all-gather, reduce-scatter and reduce; gloo has them too, and
+``tests/test_backend_collectives.py`` trains every strategy with them on gloo (the calls a
+multi-GPU NCCL run makes).
 
 CUDA tensors on gloo (several ranks sharing one GPU, where NCCL refuses two ranks on a device):
 gloo has an all-reduce, a broadcast and an all-gather for them but no reduce and no

@@ -60,7 +60,6 @@ from dataclasses import dataclass
 from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple
 
 import torch
-import torch.distributed as dist
 
 from tiny_fsdp.core import comm, gloo_collectives
 
@@ -325,7 +324,7 @@ def reduce_bucket(bucket: torch.Tensor, out: torch.Tensor, rank: int, async_op: 
     ZeRO collectives on gloo]"""
     chunk = out.numel()
     own = bucket[rank * chunk : (rank + 1) * chunk]
-    if dist.get_backend() == "gloo" and not gloo_collectives.pairs(bucket, None):
+    if gloo_collectives.is_gloo(None) and not gloo_collectives.pairs(bucket, None):
         work = comm.all_reduce(bucket, async_op=async_op)
         return PendingReduce(work, own if own.data_ptr() != out.data_ptr() else None, out)
     return PendingReduce(comm.reduce_scatter(out, bucket, async_op=async_op), None, out)
@@ -335,7 +334,7 @@ def gather_bucket(bucket: torch.Tensor, rank: int, world_size: int, async_op: bo
     """Fill ``bucket`` (N * chunk,), whose chunk ``rank`` holds this rank's values, with every
     rank's chunk. Returns the works to wait for (None entries when synchronous)."""
     chunk = bucket.numel() // world_size
-    if dist.get_backend() == "gloo":  # one broadcast per owner ([Note: ZeRO collectives on gloo])
+    if gloo_collectives.is_gloo(None):  # one broadcast per owner ([Note: ZeRO collectives on gloo])
         return [
             comm.broadcast(bucket[r * chunk : (r + 1) * chunk], src=r, async_op=async_op)
             for r in range(world_size)
