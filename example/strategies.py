@@ -77,7 +77,7 @@ def _mesh(args: argparse.Namespace, env: DistEnv) -> dict:
     from tiny_fsdp.core.fsdp import hsdp_mesh
 
     node_local = replicas == 0
-    return {"mesh": hsdp_mesh(replicas or None, env.device.type, node_local=node_local)}
+    return {"mesh": hsdp_mesh(replicas or None, device_type=env.device.type, node_local=node_local)}
 
 
 def _single_device(make_model, args, env):

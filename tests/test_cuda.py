@@ -32,7 +32,7 @@ def _wrap(strategy: str, model: nn.Module, world_size: int) -> Tuple[nn.Module, 
     """Every argument at its default, as a user wraps (ZeRO-3's table over ``world_size``)."""
     from tiny_fsdp.core import zero
     from tiny_fsdp.core.ddp import DDP, DDPAdamW
-    from tiny_fsdp.core.fsdp import FSDP, FSDPAdamW
+    from tiny_fsdp.core.fsdp import FSDP, FSDPAdamW, hsdp_mesh
     from tiny_fsdp.core.zero3 import Zero3, Zero3AdamW, zero3_partition_tensors
 
     if strategy == "ddp":
@@ -50,7 +50,12 @@ def _wrap(strategy: str, model: nn.Module, world_size: int) -> Tuple[nn.Module, 
         return wrapped, Zero3AdamW(
             wrapped.module.named_parameters(), param_part_table=parts, **HYPER
         )
-    wrapped = FSDP(model)
+    if strategy == "hsdp":  # a mesh on the default group's device: CUDA under NCCL
+        mesh = hsdp_mesh(1, node_local=False)
+        assert mesh.device_type == "cuda", mesh
+        wrapped = FSDP(model, mesh=mesh)
+    else:
+        wrapped = FSDP(model)
     return wrapped, FSDPAdamW(wrapped.named_parameters(), **HYPER)
 
 
@@ -59,11 +64,11 @@ def _parity_on_cuda(rank: int, world_size: int) -> None:
 
     device = torch.device("cuda", 0)
     reference = make_model(0).to(device)
-    for strategy in STRATEGIES:
+    for strategy in (*STRATEGIES, "hsdp"):
         ref = copy.deepcopy(reference)
         ref_opt = torch.optim.AdamW(ref.parameters(), **HYPER)
         model, opt = _wrap(strategy, copy.deepcopy(reference), 1)
-        if strategy in ("zero3", "fsdp"):  # one rank: every collective is done at once, on
+        if strategy in ("zero3", "fsdp", "hsdp"):  # one rank: every collective is done at once, on
             runtime = model._runtime if strategy == "zero3" else model._state  # no side stream
             assert not isinstance(runtime.streams, CudaStreams), strategy
         for step in range(STEPS):

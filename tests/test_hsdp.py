@@ -463,6 +463,7 @@ def _bad_meshes(rank: int, world_size: int) -> List[str]:
         os.environ["LOCAL_WORLD_SIZE"] = "2"
         default = hsdp_mesh()  # one replica group per node, node-local: accepted
         assert tuple(default.shape) == (2, 2) and default.mesh_dim_names == ("replicate", "shard")
+        assert default.device_type == "cpu"  # the default group's device: gloo, the CPU
     finally:
         os.environ.pop("GROUP_RANK")
         os.environ.pop("LOCAL_WORLD_SIZE", None)
@@ -470,6 +471,17 @@ def _bad_meshes(rank: int, world_size: int) -> List[str]:
     named = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
     expect(FSDP, OddNet(), mesh=named)  # which dim replicates is unknown
     return errors
+
+
+def test_the_default_mesh_is_on_the_device_of_the_default_group(monkeypatch) -> None:
+    """A user on GPUs who calls ``hsdp_mesh()`` gets a CUDA mesh, not a CPU one (NCCL moves
+    CUDA tensors only); on gloo a CPU one (checked on 4 ranks above)."""
+    from tiny_fsdp.core.fsdp import mesh
+
+    monkeypatch.setattr(mesh.dist, "get_backend", lambda group=None: "nccl")
+    assert mesh.default_mesh_device() == "cuda"
+    monkeypatch.setattr(mesh.dist, "get_backend", lambda group=None: "gloo")
+    assert mesh.default_mesh_device() == "cpu"
 
 
 def test_bad_meshes_raise_on_every_rank() -> None:

@@ -125,7 +125,10 @@ def mesh_groups(mesh: Optional[Any], what: str = "FSDP") -> MeshGroups:
 
 
 def hsdp_mesh(
-    replicas: Optional[int] = None, device_type: str = "cpu", node_local: bool = True
+    replicas: Optional[int] = None,
+    *,
+    device_type: Optional[str] = None,
+    node_local: bool = True,
 ) -> Any:
     """A ``(replicas, world / replicas)`` DeviceMesh named ``("replicate", "shard")``.
 
@@ -133,8 +136,13 @@ def hsdp_mesh(
     per node), so that a shard group is one node. With ``node_local`` every shard group must lie
     on one node (torchrun's ``GROUP_RANK``, else the host name, tells the node); a call on every
     rank, which raises on every rank alike when the sizes or the placement are wrong.
+    ``device_type``: the mesh's device, by default the default process group's (``"cuda"`` on
+    NCCL, else ``"cpu"``).
     """
     from torch.distributed.device_mesh import init_device_mesh
+
+    if device_type is None:
+        device_type = default_mesh_device()
 
     world = dist.get_world_size()
     if replicas is None:
@@ -159,3 +167,9 @@ def hsdp_mesh(
                     ") or pass node_local=False to shard across nodes."
                 )
     return init_device_mesh(device_type, (replicas, shard_size), mesh_dim_names=DIM_NAMES)
+
+
+def default_mesh_device() -> str:
+    """The device type of a mesh over the default process group: ``"cuda"`` on NCCL (which
+    moves CUDA tensors only), else ``"cpu"``."""
+    return "cuda" if dist.get_backend() == "nccl" else "cpu"
