@@ -476,12 +476,12 @@ def _bad_meshes(rank: int, world_size: int) -> List[str]:
 def test_the_default_mesh_is_on_the_device_of_the_default_group(monkeypatch) -> None:
     """A user on GPUs who calls ``hsdp_mesh()`` gets a CUDA mesh, not a CPU one (NCCL moves
     CUDA tensors only); on gloo a CPU one (checked on 4 ranks above)."""
-    from tiny_fsdp.core.fsdp import mesh
+    from tiny_fsdp.core.utils import dist as dist_utils
 
-    monkeypatch.setattr(mesh.dist, "get_backend", lambda group=None: "nccl")
-    assert mesh.default_mesh_device() == "cuda"
-    monkeypatch.setattr(mesh.dist, "get_backend", lambda group=None: "gloo")
-    assert mesh.default_mesh_device() == "cpu"
+    monkeypatch.setattr(dist_utils.dist, "get_backend", lambda group=None: "nccl")
+    assert dist_utils.default_device_type() == "cuda"
+    monkeypatch.setattr(dist_utils.dist, "get_backend", lambda group=None: "gloo")
+    assert dist_utils.default_device_type() == "cpu"
 
 
 def test_bad_meshes_raise_on_every_rank() -> None:

@@ -140,10 +140,13 @@ class ModelCosts:
         table, _ = zero3_partition_tensors(named, ["cpu"] * ranks)
         return [table[str(i)] for i in range(len(self.tensors))]
 
-    def zero3_owned(self, ranks: int, trainable_only: bool = False) -> List[List[int]]:
-        """Per rank, the indices of the tensors it owns under ``Zero3`` (``zero3_owners``); with
-        ``trainable_only``, of those it steps."""
-        owner = self.zero3_owners(ranks)
+    def zero3_owned(
+        self, ranks: int, trainable_only: bool = False, owner: Optional[List[int]] = None
+    ) -> List[List[int]]:
+        """Per rank, the indices of the tensors it owns under ``Zero3``; with ``trainable_only``,
+        of those it steps. ``owner``: ``zero3_owners(ranks)`` if the caller has it already (the
+        partition is not made twice)."""
+        owner = self.zero3_owners(ranks) if owner is None else owner
         tensors = self.trainable if trainable_only else range(len(self.tensors))
         return [[t for t in tensors if owner[t] == rank] for rank in range(ranks)]
 

@@ -295,7 +295,7 @@ def _unit_schedule(s: StepSetup, strategy: str) -> StepPlan:
         grad_parts = [per_owner([t for t in unit if t in trainable]) for unit in costs.units]
         optimizer = max(
             _optimizer_s(cal, sum(costs.tensors[t] for t in o), len(o))
-            for o in costs.zero3_owned(n, trainable_only=True)
+            for o in costs.zero3_owned(n, trainable_only=True, owner=owner)
         )
     else:  # dim-0 shards, rows padded to a multiple of n; one collective per unit
 

@@ -51,6 +51,7 @@ from typing import Any, Dict, Optional
 import torch.distributed as dist
 
 from tiny_fsdp.core import comm
+from tiny_fsdp.core.utils.dist import default_device_type
 
 DIM_NAMES = ("replicate", "shard")
 
@@ -142,7 +143,7 @@ def hsdp_mesh(
     from torch.distributed.device_mesh import init_device_mesh
 
     if device_type is None:
-        device_type = default_mesh_device()
+        device_type = default_device_type()
 
     world = dist.get_world_size()
     if replicas is None:
@@ -167,9 +168,3 @@ def hsdp_mesh(
                     ") or pass node_local=False to shard across nodes."
                 )
     return init_device_mesh(device_type, (replicas, shard_size), mesh_dim_names=DIM_NAMES)
-
-
-def default_mesh_device() -> str:
-    """The device type of a mesh over the default process group: ``"cuda"`` on NCCL (which
-    moves CUDA tensors only), else ``"cpu"``."""
-    return "cuda" if dist.get_backend() == "nccl" else "cpu"

@@ -25,6 +25,7 @@ from torch import nn
 
 from tiny_fsdp.core import comm
 from tiny_fsdp.core.meta_init import ModuleInit, has_meta_buffers, materialize_buffers
+from tiny_fsdp.core.utils.dist import default_device
 
 # Attribute set on every sharded nn.Parameter; its presence is what marks a tensor as a shard.
 SHARD_ATTR = "_tiny_fsdp_shard"
@@ -218,10 +219,7 @@ def shard_module(
 
 def _meta_device(device: Optional[torch.device]) -> torch.device:
     """Where ``meta`` tensors are materialised: ``device``, else CUDA with NCCL, else CPU."""
-    if device is not None:
-        return torch.device(device)
-    on_nccl = dist.get_backend() == "nccl"
-    return torch.device("cuda", torch.cuda.current_device()) if on_nccl else torch.device("cpu")
+    return torch.device(device) if device is not None else default_device()
 
 
 def _full_tensor(

@@ -102,6 +102,19 @@ def set_collective_timeout(timeout_s: float, group: Optional[dist.ProcessGroup] 
     setter(timedelta(seconds=timeout_s), group)
 
 
+def default_device_type() -> str:
+    """The device type the default process group communicates: ``"cuda"`` on NCCL (which moves
+    CUDA tensors only), else ``"cpu"``."""
+    return "cuda" if dist.get_backend() == "nccl" else "cpu"
+
+
+def default_device() -> torch.device:
+    """The default group's device (``default_device_type``): the current CUDA device on NCCL."""
+    if default_device_type() == "cuda":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
 def check_backend_device(
     named_tensors: Iterable[Tuple[str, torch.Tensor]],
     what: str,

@@ -39,6 +39,7 @@ from tiny_fsdp.core.precision import MixedPrecisionPolicy
 from tiny_fsdp.core.reductions import ReduceStats
 from tiny_fsdp.core.replicated import broadcast_module_buffers
 from tiny_fsdp.core.unit_layout import UnitSpec
+from tiny_fsdp.core.utils.dist import default_device
 from tiny_fsdp.core.zero3.grads import ReduceToOwnerGrads
 from tiny_fsdp.core.zero3.partition import zero3_partition_tensors
 from tiny_fsdp.core.zero3.unit import BroadcastUnit
@@ -318,6 +319,4 @@ def _choose_device(
     for _, param in named:
         if not param.is_meta:
             return param.device
-    if dist.get_backend() == "nccl":
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
+    return default_device()
