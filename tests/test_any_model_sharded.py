@@ -9,7 +9,8 @@ parameters in one op), blocks sharing a norm module and a weight, a student with
 teacher run under no_grad (after every backward no unit may stay full), weights computed by
 ``weight_norm`` / ``parametrizations``, recurrent layers (``nn.LSTM``, ``nn.GRU``), a mixture
 of experts whose ranks run different experts, and tiny GPT-2 / Llama / BERT from
-``transformers`` (if installed).
+``transformers`` (if installed). Evaluation of torch's ``nn.TransformerEncoder`` without
+gradients computes torch's training path, not its fast path.
 Cases are combined into few distributed calls to keep CI time small.
 """
 
@@ -746,3 +747,49 @@ def test_meta_parameters_nothing_can_initialise_are_refused_with_the_fix_on_ever
         for message in messages:
             assert "parameters ['1.token'] are on the meta device and nothing" in message
             assert "Add init_parameter(self, name, tensor)" in message
+
+
+# ------------------------------------------------------------- torch's inference fast paths
+
+
+def _fast_path_worker(rank: int, world_size: int) -> List[str]:
+    """torch's ``nn.TransformerEncoder`` in eval mode without gradients, with a key padding
+    mask, takes torch's fast path: one fused op per layer reading the layer's parameters, on
+    nested tensors, which leaves the padded positions 0. FSDP / ZeRO-3 watch every forward for
+    parameters read outside their layer ([Note: outside reads]), which keeps torch off that
+    path: their output is what torch computes with gradients enabled (the path training takes),
+    and equals torch's fast-path output everywhere except at the padded positions (whose values
+    are the paths' own and which nothing after a masked encoder should read)."""
+
+    def build() -> nn.Module:
+        torch.manual_seed(0)
+        layer = nn.TransformerEncoderLayer(WIDTH, 2, 2 * WIDTH, dropout=0.0, batch_first=True)
+        return nn.TransformerEncoder(layer, 2).eval()
+
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(3, SEQ_LEN, WIDTH, generator=g)
+    pad = torch.zeros(3, SEQ_LEN, dtype=torch.bool)
+    pad[0, SEQ_LEN - 2 :] = True
+    reference = build()
+    with torch.no_grad():
+        fast = reference(x, src_key_padding_mask=pad)
+    slow = reference(x, src_key_padding_mask=pad).detach()
+    assert not fast[pad].any() and slow[pad].abs().min() > 0, "torch took no fast path"
+    seen = []
+    for strategy in ("fsdp", "zero3"):
+        wrapped, _ = _wrap(strategy, build(), world_size, True)
+        for forward in ("first", "later"):  # the first forward of a mode is watched otherwise
+            with torch.no_grad():
+                out = wrapped(x, src_key_padding_mask=pad)
+            # Our layers' kernels and torch's round differently: ~5e-7 measured, unit-scale.
+            torch.testing.assert_close(out, slow, atol=1e-5, rtol=1e-5)
+            torch.testing.assert_close(out[~pad], fast[~pad], atol=1e-5, rtol=1e-5)
+            seen.append(f"{strategy} {forward}")
+    return seen
+
+
+def test_eval_without_gradients_computes_torch_s_training_path_not_its_fast_path():
+    assert (
+        run_distributed(_fast_path_worker, 2)
+        == [["fsdp first", "fsdp later", "zero3 first", "zero3 later"]] * 2
+    )
