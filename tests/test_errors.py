@@ -279,11 +279,36 @@ def _wrap_twice(strategy: str) -> Callable[[int, int], None]:
     return run
 
 
+def _wrap_a_block_then_the_model(strategy: str, keep: bool) -> Callable[[int, int], None]:
+    """FSDP2's habit, ``fully_shard(block)`` and then ``fully_shard(model)``, written with a
+    wrapper: the block's wrapper put in the block's place (``keep``) or dropped (a wrapper
+    returns a new module, where ``fully_shard`` changes the block in place); then the model is
+    wrapped (by DDP: the check is every strategy's)."""
+
+    def run(rank: int, world_size: int) -> None:
+        import gc
+
+        from tiny_fsdp import core
+
+        model = make_model()
+        blocks = model.transformer.h
+        wrapped, _ = build(strategy, blocks[0], None)
+        if keep:
+            blocks[0] = wrapped
+        del wrapped
+        gc.collect()
+        core.DDP(model)
+
+    return run
+
+
 CASES: Dict[str, Callable[[int, int], None]] = {
     **{f"not-a-module-{s}": _wrap_a_function(s) for s in STRATEGIES},
     **{f"unsupported-{s}": _case_unsupported(s) for s in STRATEGIES},
     **{f"lazy-{s}": _lazy_module(s, dry_forward=False) for s in STRATEGIES},
     **{f"wrapped-twice-{s}": _wrap_twice(s) for s in STRATEGIES},
+    **{f"block-then-model-{s}": _wrap_a_block_then_the_model(s, True) for s in STRATEGIES},
+    **{f"dropped-block-then-model-{s}": _wrap_a_block_then_the_model(s, False) for s in STRATEGIES},
     **{f"lazy-after-a-forward-{s}": _lazy_module(s, dry_forward=True) for s in STRATEGIES},
     **{
         f"pairing-{OPTIMIZER_OF[o]}-{m}": _case_pairing(OPTIMIZER_OF[o], m)
@@ -340,6 +365,22 @@ EXPECTED: Dict[str, Tuple[type, str]] = {
         f"wrapped-twice-{s}": (ValueError, rf"DDP: parameter '.*' already belongs to an? "
                                rf"{WRAPPERS[s]} wrapper; wrap a model once")
         for s in STRATEGIES
+    },  # fmt: skip
+    **{
+        f"block-then-model-{s}": (ValueError, rf"DDP: parameter 'transformer.h.0.module.*' "
+                                  rf"already belongs to an? {WRAPPERS[s]} wrapper; wrap a model "
+                                  r"once.*FSDP2's fully_shard per block")
+        for s in STRATEGIES
+    },  # fmt: skip
+    # A dropped DDP left the parameters as they were; the others gave them storage of their
+    # own (flat buffers, shards) for good.
+    "dropped-block-then-model-ddp": (type(None), ""),
+    **{
+        f"dropped-block-then-model-{s}": (ValueError, rf"DDP: parameter 'transformer.h.0.*' "
+                                          rf"was given storage of its own by an? {WRAPPERS[s]} "
+                                          r"wrapper that no longer exists.*Build the model anew "
+                                          r"and wrap it once; one wrapper around the whole model")
+        for s in ["zero1", "zero2", "zero3", "fsdp"]
     },  # fmt: skip
     **{f"unsupported-{s}": (UnsupportedModuleError, UNSUPPORTED) for s in ["zero3", "fsdp"]},
     **{f"unsupported-{s}": (type(None), "") for s in ["ddp", "zero1", "zero2"]},  # stay whole

@@ -3,9 +3,14 @@
 [Note: ownership tag]
 Every parameter of a model wrapped by a strategy (DDP, ZeRO-1/2/3, FSDP) carries one attribute,
 ``_tiny_fsdp_owner``: a weak reference to its wrapper (weak, so a discarded wrapper does not live
-on through its parameters). It answers the two questions asked from outside a strategy:
+on through its parameters). It answers the questions asked from outside a strategy:
 
 - "is this model already wrapped?": wrapping a parameter with a live owner raises (wrap once);
+- "was it changed by a wrapper that is gone?": a strategy that gives parameters storage of its
+  own (flat buffers, shards: ``DataParallelWrapper.separates_storage``) changed them for good,
+  so a model one of them wrapped, its wrapper since dropped (``FSDP(block)`` written as FSDP2's
+  in-place ``fully_shard(block)``), is refused too (``changed_by``: the reference remembers
+  the wrapper's class once the wrapper is gone); a dropped DDP left the parameters as they were;
 - "may a plain optimizer update it?": not when the owner updates only its local part
   (``DataParallelWrapper.updates_local_part``); the optimizers ask ``owner_of``.
 
@@ -23,15 +28,40 @@ OWNER_ATTR = TAG_PREFIX + "owner"
 _LIVE: "weakref.WeakSet[Any]" = weakref.WeakSet()  # every wrapper that tagged a tensor
 
 
+class _OwnerRef(weakref.ref):
+    """A weak reference to a wrapper that keeps its class name and whether it gave the tagged
+    parameter storage of its own, for when the wrapper is gone."""
+
+    def __init__(self, wrapper: Any) -> None:
+        super().__init__(wrapper)
+        self.kind = type(wrapper).__name__
+        self.changes_storage = bool(getattr(wrapper, "separates_storage", False))
+
+    def __copy__(self) -> "_OwnerRef":
+        return self  # as copy treats a weakref.ref: atomic
+
+    def __deepcopy__(self, memo: Any) -> "_OwnerRef":
+        return self
+
+
 def owner_of(tensor: torch.Tensor) -> Optional[Any]:
     """The live wrapper that manages ``tensor``, or None."""
     ref = getattr(tensor, OWNER_ATTR, None)
     return ref() if ref is not None else None
 
 
+def changed_by(tensor: torch.Tensor) -> Optional[str]:
+    """The class name of a wrapper, now gone, that gave ``tensor`` storage of its own (a flat
+    buffer's view, a shard); None if there was none or it is alive ([Note: ownership tag])."""
+    ref = getattr(tensor, OWNER_ATTR, None)
+    if ref is None or ref() is not None or not getattr(ref, "changes_storage", False):
+        return None
+    return ref.kind
+
+
 def tag_owner(tensor: torch.Tensor, wrapper: Any) -> None:
     """Mark ``tensor`` as managed by ``wrapper`` ([Note: ownership tag])."""
-    setattr(tensor, OWNER_ATTR, weakref.ref(wrapper))
+    setattr(tensor, OWNER_ATTR, _OwnerRef(wrapper))
     _LIVE.add(wrapper)
 
 

@@ -6,7 +6,7 @@ from torch import nn
 from torch.nn.parameter import is_lazy
 
 from tiny_fsdp.core.loss_reads import is_loss_read_hook
-from tiny_fsdp.core.ownership import owner_of
+from tiny_fsdp.core.ownership import changed_by, owner_of
 
 
 def check_module(module: Any, what: str) -> None:
@@ -30,13 +30,29 @@ def check_module(module: Any, what: str) -> None:
 
 
 def check_not_wrapped(module: nn.Module, what: str) -> None:
-    """Raise if a parameter of ``module`` already belongs to a live wrapper: wrap a model once."""
+    """Raise if a parameter of ``module`` already belongs to a live wrapper, or was given
+    storage of its own by one since dropped ([Note: ownership tag]): wrap a model once."""
+    blocks = (
+        "; one wrapper around the whole model is what FSDP2's fully_shard per block and on the "
+        "root make: FSDP and Zero3 make each block a unit themselves (unit='auto')"
+    )
     for name, param in module.named_parameters():
         owner = owner_of(param)
         if owner is not None:
+            inner = getattr(owner, "module", None)
+            nested = owner is not module and any(m is inner for m in module.modules())
             raise ValueError(
                 f"{what}: parameter '{name}' already belongs to a {type(owner).__name__} "
                 "wrapper; wrap a model once (build a new model for another strategy)"
+                + (blocks if nested else "")
+            )
+        gone = changed_by(param)
+        if gone is not None:
+            raise ValueError(
+                f"{what}: parameter '{name}' was given storage of its own by a {gone} wrapper "
+                f"that no longer exists: a wrapper returns a new module (FSDP2's fully_shard "
+                f"changes one in place), so {gone}(submodule) changed the model even with its "
+                "result dropped. Build the model anew and wrap it once" + blocks
             )
 
 
