@@ -302,6 +302,29 @@ def _wrap_a_block_then_the_model(strategy: str, keep: bool) -> Callable[[int, in
     return run
 
 
+def _wrap_again_after_a_refusal(strategy: str, **bad: object) -> Callable[[int, int], None]:
+    """A wrapper refused with ``bad`` arguments, then the same model wrapped again (by DDP):
+    fine if the refused one had not changed the model yet, refused with what happened if it
+    had."""
+
+    def run(rank: int, world_size: int) -> None:
+        import gc
+
+        from tiny_fsdp import core
+
+        model = make_model()
+        try:
+            build(strategy, model, None, **bad)
+        except ValueError:
+            pass
+        else:
+            raise AssertionError(f"{strategy} took {bad}")
+        gc.collect()
+        core.DDP(model)
+
+    return run
+
+
 CASES: Dict[str, Callable[[int, int], None]] = {
     **{f"not-a-module-{s}": _wrap_a_function(s) for s in STRATEGIES},
     **{f"unsupported-{s}": _case_unsupported(s) for s in STRATEGIES},
@@ -309,6 +332,8 @@ CASES: Dict[str, Callable[[int, int], None]] = {
     **{f"wrapped-twice-{s}": _wrap_twice(s) for s in STRATEGIES},
     **{f"block-then-model-{s}": _wrap_a_block_then_the_model(s, True) for s in STRATEGIES},
     **{f"dropped-block-then-model-{s}": _wrap_a_block_then_the_model(s, False) for s in STRATEGIES},
+    "wrap-again-after-bucket-cap-zero2": _wrap_again_after_a_refusal("zero2", bucket_cap_mb=-1),
+    "wrap-again-after-unit-fsdp": _wrap_again_after_a_refusal("fsdp", unit=[nn.Linear(2, 2)]),
     **{f"lazy-after-a-forward-{s}": _lazy_module(s, dry_forward=True) for s in STRATEGIES},
     **{
         f"pairing-{OPTIMIZER_OF[o]}-{m}": _case_pairing(OPTIMIZER_OF[o], m)
@@ -382,6 +407,14 @@ EXPECTED: Dict[str, Tuple[type, str]] = {
                                           r"and wrap it once; one wrapper around the whole model")
         for s in ["zero1", "zero2", "zero3", "fsdp"]
     },  # fmt: skip
+    # Refused before it changed anything (the arguments are checked first)...
+    "wrap-again-after-bucket-cap-zero2": (type(None), ""),
+    # ... and after it had sharded the model (the unit list is read with the shards).
+    "wrap-again-after-unit-fsdp": (
+        ValueError,
+        r"DDP: parameter '.*' was given storage of its "
+        r"own by an? FSDP wrapper that no longer exists",
+    ),
     **{f"unsupported-{s}": (UnsupportedModuleError, UNSUPPORTED) for s in ["zero3", "fsdp"]},
     **{f"unsupported-{s}": (type(None), "") for s in ["ddp", "zero1", "zero2"]},  # stay whole
     **{

@@ -6,11 +6,13 @@ Every parameter of a model wrapped by a strategy (DDP, ZeRO-1/2/3, FSDP) carries
 on through its parameters). It answers the questions asked from outside a strategy:
 
 - "is this model already wrapped?": wrapping a parameter with a live owner raises (wrap once);
-- "was it changed by a wrapper that is gone?": a strategy that gives parameters storage of its
-  own (flat buffers, shards: ``DataParallelWrapper.separates_storage``) changed them for good,
-  so a model one of them wrapped, its wrapper since dropped (``FSDP(block)`` written as FSDP2's
-  in-place ``fully_shard(block)``), is refused too (``changed_by``: the reference remembers
-  the wrapper's class once the wrapper is gone); a dropped DDP left the parameters as they were;
+- "was it changed by a wrapper that is gone?": a strategy that gave a parameter storage of its
+  own (a flat buffer's view, a shard, an empty tensor on a rank that does not own it) changed it
+  for good, so a model one of them wrapped, its wrapper since dropped (``FSDP(block)`` written as
+  FSDP2's in-place ``fully_shard(block)``), is refused too (``changed_by``: the reference keeps
+  the wrapper's class, and the strategy marks it ``changed`` once it has replaced the data); a
+  dropped DDP, or a wrapper whose construction failed before that point, left the parameters as
+  they were, and wrapping them again works;
 - "may a plain optimizer update it?": not when the owner updates only its local part
   (``DataParallelWrapper.updates_local_part``); the optimizers ask ``owner_of``.
 
@@ -29,13 +31,13 @@ _LIVE: "weakref.WeakSet[Any]" = weakref.WeakSet()  # every wrapper that tagged a
 
 
 class _OwnerRef(weakref.ref):
-    """A weak reference to a wrapper that keeps its class name and whether it gave the tagged
-    parameter storage of its own, for when the wrapper is gone."""
+    """A weak reference to a wrapper that keeps, for when the wrapper is gone, its class name and
+    whether it gave the tagged parameter storage of its own."""
 
-    def __init__(self, wrapper: Any) -> None:
+    def __init__(self, wrapper: Any, changed: bool) -> None:
         super().__init__(wrapper)
         self.kind = type(wrapper).__name__
-        self.changes_storage = bool(getattr(wrapper, "separates_storage", False))
+        self.changed = changed
 
     def __copy__(self) -> "_OwnerRef":
         return self  # as copy treats a weakref.ref: atomic
@@ -54,14 +56,15 @@ def changed_by(tensor: torch.Tensor) -> Optional[str]:
     """The class name of a wrapper, now gone, that gave ``tensor`` storage of its own (a flat
     buffer's view, a shard); None if there was none or it is alive ([Note: ownership tag])."""
     ref = getattr(tensor, OWNER_ATTR, None)
-    if ref is None or ref() is not None or not getattr(ref, "changes_storage", False):
+    if ref is None or ref() is not None or not getattr(ref, "changed", False):
         return None
     return ref.kind
 
 
-def tag_owner(tensor: torch.Tensor, wrapper: Any) -> None:
-    """Mark ``tensor`` as managed by ``wrapper`` ([Note: ownership tag])."""
-    setattr(tensor, OWNER_ATTR, _OwnerRef(wrapper))
+def tag_owner(tensor: torch.Tensor, wrapper: Any, changed: bool = False) -> None:
+    """Mark ``tensor`` as managed by ``wrapper`` ([Note: ownership tag]); ``changed``: the
+    wrapper has given it storage of its own."""
+    setattr(tensor, OWNER_ATTR, _OwnerRef(wrapper, changed))
     _LIVE.add(wrapper)
 
 

@@ -158,10 +158,12 @@ class DataParallelWrapper(FullStateDicts, nn.Module):
             return args, kwargs
         return map_tensors((args, kwargs), lambda t: t.to(device, non_blocking=True))
 
-    def claim(self, params: Any) -> None:
-        """Tag ``params`` as managed by this wrapper (also new objects made at wrap time)."""
+    def claim(self, params: Any, changed: bool = False) -> None:
+        """Tag ``params`` as managed by this wrapper (also new objects made at wrap time);
+        ``changed``: the strategy has given them storage of its own (flat buffer views, shards),
+        so the model stays refused once this wrapper is gone ([Note: ownership tag])."""
         for param in params:
-            tag_owner(param, self)
+            tag_owner(param, self, changed)
 
     def __deepcopy__(self, memo: Dict[int, Any]) -> "DataParallelWrapper":
         """An independent wrapped model with copies of what this rank holds (an EMA model,

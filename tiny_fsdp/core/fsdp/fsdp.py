@@ -118,7 +118,8 @@ class FSDP(FetchingWrapper):
         unset = shard_module(
             self.module, shard_rank, shard_size, device, sync_module_states, groups.shard_group
         )
-        self.claim(self.module.parameters())  # meta parameters were replaced by new objects
+        # Shards now (meta parameters were replaced by new objects).
+        self.claim(self.module.parameters(), changed=True)
         shard_device = next((p.device for p in self.module.parameters()), torch.device("cpu"))
         communicates = shard_size > 1 or groups.replicate_group is not None
         self._state.use_streams(streams.streams_for(shard_device, communicates))

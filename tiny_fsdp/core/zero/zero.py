@@ -154,6 +154,7 @@ class ZeroWrapper(ReplicatedWrapper):
             for p in [p for _, p in named if not p.requires_grad]:
                 comm.broadcast_into(p.detach(), src=0)
             broadcast_module_buffers(self.module)
+        self.claim((p for _, p in named), changed=True)  # views of the parameter buffer
 
         self._grads = self.grad_store(self.params, self.layout, self.dtypes, device, self.rank)
         self._optimizers: "weakref.WeakSet[Any]" = weakref.WeakSet()

@@ -126,7 +126,8 @@ class Zero3(FetchingWrapper):
         self.param_part_table = param_part_table
         self.device = _choose_device(param_part_table, named, rank)
         unset = self._materialize(named, self.device, sync_module_states)
-        self.claim(self.module.parameters())  # meta parameters were replaced by new objects
+        # Owned whole or empty now (meta parameters were replaced by new objects).
+        self.claim(self.module.parameters(), changed=True)
         self._runtime.use_streams(streams.streams_for(self.device, dist.get_world_size() > 1))
         self.build_units(self._runtime, unit, BroadcastUnit, ReduceToOwnerGrads, self.device, unset)
 
