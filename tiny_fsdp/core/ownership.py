@@ -61,9 +61,12 @@ def changed_by(tensor: torch.Tensor) -> Optional[str]:
     return ref.kind
 
 
-def tag_owner(tensor: torch.Tensor, wrapper: Any, changed: bool = False) -> None:
+def tag_owner(tensor: torch.Tensor, wrapper: Any, changed: Optional[bool] = None) -> None:
     """Mark ``tensor`` as managed by ``wrapper`` ([Note: ownership tag]); ``changed``: the
-    wrapper has given it storage of its own."""
+    wrapper has given it storage of its own (None: as its tag says, False without one; a deep
+    copy's parameters keep what the original's said)."""
+    if changed is None:
+        changed = bool(getattr(getattr(tensor, OWNER_ATTR, None), "changed", False))
     setattr(tensor, OWNER_ATTR, _OwnerRef(wrapper, changed))
     _LIVE.add(wrapper)
 

@@ -158,10 +158,11 @@ class DataParallelWrapper(FullStateDicts, nn.Module):
             return args, kwargs
         return map_tensors((args, kwargs), lambda t: t.to(device, non_blocking=True))
 
-    def claim(self, params: Any, changed: bool = False) -> None:
+    def claim(self, params: Any, changed: Optional[bool] = None) -> None:
         """Tag ``params`` as managed by this wrapper (also new objects made at wrap time);
         ``changed``: the strategy has given them storage of its own (flat buffer views, shards),
-        so the model stays refused once this wrapper is gone ([Note: ownership tag])."""
+        so the model stays refused once this wrapper is gone (None: as their tags say;
+        [Note: ownership tag])."""
         for param in params:
             tag_owner(param, self, changed)
 
