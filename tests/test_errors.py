@@ -325,6 +325,25 @@ def _wrap_again_after_a_refusal(strategy: str, **bad: object) -> Callable[[int, 
     return run
 
 
+def _wrap_a_dropped_copy(strategy: str) -> Callable[[int, int], None]:
+    """A deep copy of a wrapped model (an EMA model), both wrappers dropped, then the copy's
+    model wrapped again (by DDP): the copy's parameters carry what the original's did."""
+
+    def run(rank: int, world_size: int) -> None:
+        import copy
+        import gc
+
+        from tiny_fsdp import core
+
+        wrapped, _ = build(strategy, make_model(), None)
+        inner = copy.deepcopy(wrapped).module
+        del wrapped
+        gc.collect()
+        core.DDP(inner)
+
+    return run
+
+
 CASES: Dict[str, Callable[[int, int], None]] = {
     **{f"not-a-module-{s}": _wrap_a_function(s) for s in STRATEGIES},
     **{f"unsupported-{s}": _case_unsupported(s) for s in STRATEGIES},
@@ -332,6 +351,8 @@ CASES: Dict[str, Callable[[int, int], None]] = {
     **{f"wrapped-twice-{s}": _wrap_twice(s) for s in STRATEGIES},
     **{f"block-then-model-{s}": _wrap_a_block_then_the_model(s, True) for s in STRATEGIES},
     **{f"dropped-block-then-model-{s}": _wrap_a_block_then_the_model(s, False) for s in STRATEGIES},
+    "dropped-copy-zero2": _wrap_a_dropped_copy("zero2"),
+    "dropped-copy-ddp": _wrap_a_dropped_copy("ddp"),
     "wrap-again-after-bucket-cap-zero2": _wrap_again_after_a_refusal("zero2", bucket_cap_mb=-1),
     "wrap-again-after-unit-fsdp": _wrap_again_after_a_refusal("fsdp", unit=[nn.Linear(2, 2)]),
     **{f"lazy-after-a-forward-{s}": _lazy_module(s, dry_forward=True) for s in STRATEGIES},
@@ -407,6 +428,8 @@ EXPECTED: Dict[str, Tuple[type, str]] = {
                                           r"and wrap it once; one wrapper around the whole model")
         for s in ["zero1", "zero2", "zero3", "fsdp"]
     },  # fmt: skip
+    "dropped-copy-zero2": (ValueError, r"was given storage of its own by a Zero2 wrapper"),
+    "dropped-copy-ddp": (type(None), ""),
     # Refused before it changed anything (the arguments are checked first)...
     "wrap-again-after-bucket-cap-zero2": (type(None), ""),
     # ... and after it had sharded the model (the unit list is read with the shards).
