@@ -355,6 +355,7 @@ CASES: Dict[str, Callable[[int, int], None]] = {
     "dropped-copy-ddp": _wrap_a_dropped_copy("ddp"),
     "wrap-again-after-bucket-cap-zero2": _wrap_again_after_a_refusal("zero2", bucket_cap_mb=-1),
     "wrap-again-after-unit-fsdp": _wrap_again_after_a_refusal("fsdp", unit=[nn.Linear(2, 2)]),
+    "wrap-again-after-unit-zero3": _wrap_again_after_a_refusal("zero3", unit="blocks"),
     **{f"lazy-after-a-forward-{s}": _lazy_module(s, dry_forward=True) for s in STRATEGIES},
     **{
         f"pairing-{OPTIMIZER_OF[o]}-{m}": _case_pairing(OPTIMIZER_OF[o], m)
@@ -430,14 +431,10 @@ EXPECTED: Dict[str, Tuple[type, str]] = {
     },  # fmt: skip
     "dropped-copy-zero2": (ValueError, r"was given storage of its own by a Zero2 wrapper"),
     "dropped-copy-ddp": (type(None), ""),
-    # Refused before it changed anything (the arguments are checked first)...
+    # Refused before it changed anything: the arguments are checked first.
     "wrap-again-after-bucket-cap-zero2": (type(None), ""),
-    # ... and after it had sharded the model (the unit list is read with the shards).
-    "wrap-again-after-unit-fsdp": (
-        ValueError,
-        r"DDP: parameter '.*' was given storage of its "
-        r"own by an? FSDP wrapper that no longer exists",
-    ),
+    "wrap-again-after-unit-fsdp": (type(None), ""),
+    "wrap-again-after-unit-zero3": (type(None), ""),
     **{f"unsupported-{s}": (UnsupportedModuleError, UNSUPPORTED) for s in ["zero3", "fsdp"]},
     **{f"unsupported-{s}": (type(None), "") for s in ["ddp", "zero1", "zero2"]},  # stay whole
     **{
