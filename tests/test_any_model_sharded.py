@@ -781,9 +781,10 @@ def _fast_path_worker(rank: int, world_size: int) -> List[str]:
         for forward in ("first", "later"):  # the first forward of a mode is watched otherwise
             with torch.no_grad():
                 out = wrapped(x, src_key_padding_mask=pad)
-            # Our layers' kernels and torch's round differently: ~5e-7 measured, unit-scale.
-            torch.testing.assert_close(out, slow, atol=1e-5, rtol=1e-5)
-            torch.testing.assert_close(out[~pad], fast[~pad], atol=1e-5, rtol=1e-5)
+            # Our layers' kernels and torch's round differently: up to 4.8e-7 measured on
+            # outputs of LayerNorm scale (a few ulps); 2e-6 leaves 4x that.
+            torch.testing.assert_close(out, slow, atol=2e-6, rtol=0)
+            torch.testing.assert_close(out[~pad], fast[~pad], atol=2e-6, rtol=0)
             seen.append(f"{strategy} {forward}")
     return seen
 

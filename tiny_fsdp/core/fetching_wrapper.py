@@ -22,6 +22,7 @@ from tiny_fsdp.core.full_unit import FullUnit
 from tiny_fsdp.core.loss_reads import LocalGradWatch
 from tiny_fsdp.core.meta_init import check_set
 from tiny_fsdp.core.module.outside_reads import OutsideReadWatch
+from tiny_fsdp.core.precision import MixedPrecisionPolicy
 from tiny_fsdp.core.unit_grads import UnitGradients
 from tiny_fsdp.core.unit_handler import UnitHandler
 from tiny_fsdp.core.unit_layout import UnitSpec, unit_layers
@@ -34,6 +35,19 @@ from tiny_fsdp.core.wrap_checks import check_no_param_hooks
 
 class FetchingWrapper(DataParallelWrapper):
     """A wrapper whose layers fetch through a ``Prefetcher`` ([Note: fetching strategies])."""
+
+    def __init__(
+        self,
+        module: nn.Module,
+        enable_async_communication: bool,
+        mixed_precision: Optional[MixedPrecisionPolicy],
+        registered_layers: bool,
+        unit: UnitSpec,
+    ) -> None:
+        super().__init__(module, enable_async_communication, mixed_precision, registered_layers)
+        # ``unit`` is laid out in ``build_units``, after the subclass has changed the model;
+        # checked here, before it, so that a mistaken unit leaves the model to be wrapped again.
+        unit_layers(self.module, unit)
 
     def build_units(
         self,

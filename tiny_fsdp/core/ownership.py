@@ -56,7 +56,7 @@ def changed_by(tensor: torch.Tensor) -> Optional[str]:
     """The class name of a wrapper, now gone, that gave ``tensor`` storage of its own (a flat
     buffer's view, a shard); None if there was none or it is alive ([Note: ownership tag])."""
     ref = getattr(tensor, OWNER_ATTR, None)
-    if ref is None or ref() is not None or not getattr(ref, "changed", False):
+    if ref is None or ref() is not None or not ref.changed:
         return None
     return ref.kind
 

@@ -67,13 +67,6 @@ def unit_layers(
     return [(name, group) for name, group in named if group]
 
 
-def check_unit(root: nn.Module, unit: UnitSpec) -> None:
-    """Raise as ``unit_layers`` would for a ``unit`` that cannot lay out ``root`` (an unknown
-    name, a module outside the model, a layer inside two listed modules): called before a
-    strategy changes the model, so that a mistaken argument leaves it to be wrapped again."""
-    unit_layers(root, unit)
-
-
 def holders(modules: Sequence[nn.Module]) -> Dict[int, List[int]]:
     """``id(m)`` of every module inside ``modules`` -> the indices of those holding it."""
     held: Dict[int, List[int]] = {}

@@ -39,8 +39,7 @@ def check_not_wrapped(module: nn.Module, what: str) -> None:
     for name, param in module.named_parameters():
         owner = owner_of(param)
         if owner is not None:
-            inner = getattr(owner, "module", None)
-            nested = owner is not module and any(m is inner for m in module.modules())
+            nested = owner is not module and any(m is owner.module for m in module.modules())
             raise ValueError(
                 f"{what}: parameter '{name}' already belongs to a {type(owner).__name__} "
                 "wrapper; wrap a model once (build a new model for another strategy)"

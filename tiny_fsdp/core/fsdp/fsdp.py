@@ -38,7 +38,6 @@ from tiny_fsdp.core.fsdp.grads import ReduceScatterGrads
 from tiny_fsdp.core.clip import HeldGrads
 from tiny_fsdp.core.local_state import LocalPiece
 from tiny_fsdp.core.precision import MixedPrecisionPolicy
-from tiny_fsdp.core.unit_layout import check_unit
 from tiny_fsdp.core.utils.dist import require_process_group
 
 
@@ -114,8 +113,9 @@ class FSDP(FetchingWrapper):
         self._state = FSDPState(
             shard_size, shard_rank, reshard_after_forward, prefetch_limit, groups
         )
-        super().__init__(module, enable_async_communication, mixed_precision, registered_layers)
-        check_unit(self.module, unit)  # before the model changes: a typo leaves it intact
+        super().__init__(
+            module, enable_async_communication, mixed_precision, registered_layers, unit
+        )
         self._state.policy = self.mixed_precision
         unset = shard_module(
             self.module, shard_rank, shard_size, device, sync_module_states, groups.shard_group

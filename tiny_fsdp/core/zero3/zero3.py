@@ -38,7 +38,7 @@ from tiny_fsdp.core.meta_init import (
 from tiny_fsdp.core.precision import MixedPrecisionPolicy
 from tiny_fsdp.core.reductions import ReduceStats
 from tiny_fsdp.core.replicated import broadcast_module_buffers
-from tiny_fsdp.core.unit_layout import UnitSpec, check_unit
+from tiny_fsdp.core.unit_layout import UnitSpec
 from tiny_fsdp.core.utils.dist import default_device
 from tiny_fsdp.core.zero3.grads import ReduceToOwnerGrads
 from tiny_fsdp.core.zero3.partition import zero3_partition_tensors
@@ -100,8 +100,9 @@ class Zero3(FetchingWrapper):
         unit: UnitSpec = "auto",
         registered_layers: bool = True,
     ) -> None:
-        super().__init__(module, enable_async_communication, mixed_precision, registered_layers)
-        check_unit(self.module, unit)  # before the model changes: a typo leaves it intact
+        super().__init__(
+            module, enable_async_communication, mixed_precision, registered_layers, unit
+        )
         if prefetch_depth is not None:
             warnings.warn(
                 "Zero3(prefetch_depth=...) is deprecated; use prefetch_limit=... (same meaning, "
