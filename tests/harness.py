@@ -17,6 +17,10 @@ Invariants the harness keeps:
 * After ``fn`` returns, the ranks synchronise on a private gloo group and compare how many
   collectives each issued on the default group. Ranks that are out of step fail *this* call
   instead of silently pairing up with the next test's collectives.
+* An exception Python could not raise in a worker (in a ``__del__``, a weak reference's
+  callback, a finalizer: printed as "Exception ignored in ...") fails the call during which it
+  was reported: garbage is collected when Python decides, so that may be the call after the one
+  that dropped the object; the message names the object.
 * Per-call global torch state that tests commonly change (grad mode, default dtype, thread
   count) is restored after every call. Nothing is reseeded: tests seed themselves.
 
@@ -541,6 +545,7 @@ def _worker_main(
     except BaseException:
         _send(conn, ("init_error", traceback.format_exc()))
         return
+    sys.unraisablehook = _record_unraisable
     _send(conn, ("ready", os.getpid()))
 
     while True:
@@ -603,6 +608,7 @@ def _run_one(rank: int, world_size: int, payload: bytes, conn: Connection, sync_
         try:
             fn, args = pickle.loads(payload)
             result = fn(rank, world_size, *args)
+            _raise_unraisables(rank)
             try:
                 message = pickle.dumps(("returned", result))
             except Exception as exc:
@@ -619,6 +625,30 @@ def _run_one(rank: int, world_size: int, payload: bytes, conn: Connection, sync_
         _send(conn, ("error", _format_exception(exc)))
         return
     _send(conn, ("synced", None))
+
+
+# "Exception ignored in ..." reports of this worker since its last call (the module docstring).
+_UNRAISABLE: list[str] = []
+
+
+def _record_unraisable(unraisable: Any) -> None:
+    sys.__unraisablehook__(unraisable)  # still printed, as Python does
+    exc = unraisable.exc_value
+    _UNRAISABLE.append(
+        f"{unraisable.err_msg or 'Exception ignored in'}: {unraisable.object!r}\n"
+        + "".join(traceback.format_exception(type(exc), exc, unraisable.exc_traceback))
+    )
+
+
+def _raise_unraisables(rank: int) -> None:
+    if _UNRAISABLE:
+        reports = "\n".join(_UNRAISABLE)
+        _UNRAISABLE.clear()
+        raise AssertionError(
+            f"rank {rank}: Python reported exceptions it could not raise (in a __del__, a weak "
+            f"reference's callback or a finalizer), during this call or since the last one:\n"
+            + reports
+        )
 
 
 def _format_exception(exc: BaseException) -> str:

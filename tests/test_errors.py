@@ -16,7 +16,7 @@ import torch.distributed as dist
 from torch import nn
 
 from example.model import GPT2Model, GPTConfig, GPTConfigs
-from tests.build import WRAPPERS, build, zero3_table
+from tests.build import WRAPPERS, adamw, build, zero3_table
 from tests.harness import run_distributed
 from tests.parity import PARAM_ATOL, check_parity, make_model
 from tiny_fsdp.core.module import UnsupportedModuleError
@@ -603,6 +603,35 @@ def test_zero3_tables_cannot_split_a_tied_weight() -> None:
     gives it one owner (a hand-made table listing the alias is the ``tied-table-*`` cases)."""
     table = zero3_table(make_model(), evenness=1.0, world_size=4)
     assert "transformer.wte.weight" in table and "lm_head.weight" not in table
+
+
+def _drop_wrappers(rank: int, world_size: int) -> Dict[str, List[str]]:
+    """Every strategy's wrapper built, trained one step and dropped; what Python reported, per
+    strategy, while it collected the wrapper ("Exception ignored in ...")."""
+    import gc
+    import sys
+
+    reported: Dict[str, List[str]] = {}
+    hook = sys.unraisablehook
+    try:
+        for strategy in STRATEGIES:
+            reported[strategy] = []
+            sys.unraisablehook = lambda u, out=reported[strategy]: out.append(repr(u.exc_value))
+            wrapped, optimizer = build(strategy, make_model(), adamw(lr=1e-3))
+            wrapped(torch.zeros(2, 4, dtype=torch.long)).sum().backward()
+            optimizer.step()
+            del wrapped, optimizer
+            gc.collect()
+    finally:
+        sys.unraisablehook = hook
+    return reported
+
+
+def test_a_dropped_wrapper_goes_quietly() -> None:
+    """Dropping a wrapper (a model trained and replaced, a sweep in one process) reports
+    nothing: no exception in a finalizer or a weak reference's callback."""
+    for reported in run_distributed(_drop_wrappers, WORLD):
+        assert reported == {strategy: [] for strategy in STRATEGIES}
 
 
 # ------------------------------------------------------------------ single process

@@ -34,6 +34,10 @@ class _OwnerRef(weakref.ref):
     """A weak reference to a wrapper that keeps, for when the wrapper is gone, its class name and
     whether it gave the tagged parameter storage of its own."""
 
+    def __new__(cls, wrapper: Any, changed: bool) -> "_OwnerRef":
+        # weakref.ref's second argument is a callback run when the wrapper dies: none here.
+        return super().__new__(cls, wrapper)
+
     def __init__(self, wrapper: Any, changed: bool) -> None:
         super().__init__(wrapper)
         self.kind = type(wrapper).__name__
