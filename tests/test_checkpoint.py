@@ -4,7 +4,8 @@
   optimizer state tensor bitwise identical (checked against each strategy's own full view, not
   against the checkpoint code).
 - Resume is exact: 10 steps straight == 5 steps, save, load into fresh objects, 5 steps
-  (losses and parameters bitwise; the model has dropout, so the RNG states must come back too).
+  (losses and parameters bitwise; the model has dropout, so the RNG states must come back too),
+  also under a bf16 policy, where ZeRO-1/2's fp32 masters of bf16 parameters must come back.
 - Damaged checkpoints raise ``CheckpointError`` saying what is wrong; a failed save (on any rank)
   leaves the previous checkpoint loadable. One device needs no process group.
 
@@ -42,13 +43,23 @@ StateT = Tuple[Dict[str, torch.Tensor], Dict[str, Dict[str, Any]]]  # (params, o
 OPTIMIZERS = {"adamw": adamw(lr=1e-3), "sgd": sgd(lr=0.05, momentum=0.9)}
 
 
-def build_gpt(strategy: str, optim: str, seed: int) -> Tuple[nn.Module, Any]:
-    """A GPT-2 tiny under ``strategy`` with two param groups (decay / no decay)."""
+def build_gpt(
+    strategy: str, optim: str, seed: int, precision: str = "fp32"
+) -> Tuple[nn.Module, Any]:
+    """A GPT-2 tiny under ``strategy`` with two param groups (decay / no decay), under the
+    mixed-precision policy named ``precision``."""
+    from tiny_fsdp.core import MixedPrecisionPolicy
+
     torch.manual_seed(seed)
     plain = GPT2Model(CFG)
     decay = decayed_names(plain)
+    policy = MixedPrecisionPolicy.from_name(precision)
     return build(
-        strategy, plain, OPTIMIZERS[optim], groups=lambda named: param_groups(named, decay, 0.1)
+        strategy,
+        plain,
+        OPTIMIZERS[optim],
+        groups=lambda named: param_groups(named, decay, 0.1),
+        **({} if policy is None else {"mixed_precision": policy}),
     )
 
 
@@ -219,20 +230,23 @@ def test_parameters_of_any_layout_move_between_strategies(tmp_path) -> None:
 # ------------------------------------------------------------------------------ exact resume
 
 
-def _resume(rank: int, world: int, strategy: str, optim: str, kind: str, path: str) -> dict:
-    model, optimizer = build_gpt(strategy, optim, seed=0)
+def _resume(
+    rank: int, world: int, strategy: str, optim: str, kind: str, path: str, precision: str = "fp32"
+) -> dict:
+    model, optimizer = build_gpt(strategy, optim, seed=0, precision=precision)
     torch.manual_seed(1000 + rank)  # per-rank dropout streams
     straight = train(model, optimizer, range(10), rank, world)
     expected = full_state(strategy, model, optimizer)
 
-    model, optimizer = build_gpt(strategy, optim, seed=0)
+    model, optimizer = build_gpt(strategy, optim, seed=0, precision=precision)
     torch.manual_seed(1000 + rank)
     first = train(model, optimizer, range(5), rank, world)
     save_checkpoint(
         path, model, optimizer, step=5, extra={"note": "half"}, sharded=kind == "sharded"
     )
     del model, optimizer
-    model, optimizer = build_gpt(strategy, optim, seed=123)  # fresh, other values and RNG
+    # Fresh, other values and RNG.
+    model, optimizer = build_gpt(strategy, optim, seed=123, precision=precision)
     info = load_checkpoint(path, model, optimizer)
     assert (info["step"], info["extra"], info["rng_restored"]) == (5, {"note": "half"}, True)
     second = train(model, optimizer, range(info["step"], 10), rank, world)
@@ -243,19 +257,23 @@ def _resume(rank: int, world: int, strategy: str, optim: str, kind: str, path: s
 
 @pytest.mark.parametrize("kind", ["full", "sharded"])
 @pytest.mark.parametrize(
-    "strategy,world,optim",
+    "strategy,world,optim,precision",
     [
-        ("ddp", 2, "adamw"),
-        ("zero1", 2, "adamw"),
-        ("zero2", 2, "sgd"),
-        ("zero3", 2, "adamw"),
-        ("zero3", 3, "sgd"),
-        ("fsdp", 2, "adamw"),
-        ("fsdp", 3, "sgd"),
+        ("ddp", 2, "adamw", "fp32"),
+        ("zero1", 2, "adamw", "fp32"),
+        ("zero2", 2, "sgd", "fp32"),
+        ("zero3", 2, "adamw", "fp32"),
+        ("zero3", 3, "sgd", "fp32"),
+        ("fsdp", 2, "adamw", "fp32"),
+        ("fsdp", 3, "sgd", "fp32"),
+        # bf16 compute: ZeRO-1/2 store bf16 parameters, the fp32 masters must come back too.
+        ("zero1", 2, "adamw", "bf16"),
+        ("zero2", 2, "adamw", "bf16"),
+        ("fsdp", 2, "adamw", "bf16"),
     ],
 )
-def test_resume_is_exact(strategy, world, optim, kind, tmp_path) -> None:
-    infos = run_distributed(_resume, world, strategy, optim, kind, str(tmp_path))
+def test_resume_is_exact(strategy, world, optim, precision, kind, tmp_path) -> None:
+    infos = run_distributed(_resume, world, strategy, optim, kind, str(tmp_path), precision)
     if kind == "sharded" and strategy in ("zero3", "fsdp"):
         # Same world size: a rank reads the common file and its own shard, nothing else.
         for rank, info in enumerate(infos):
