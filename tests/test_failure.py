@@ -203,6 +203,23 @@ def test_only_communication_errors_can_be_blamed_on_a_peer() -> None:
     assert not is_communication_error(PeerFailureError(0, {1: "ValueError: x"}, [], closed))
 
 
+def test_the_peer_failure_travels_between_processes_as_it_was() -> None:
+    """A job runner (multiprocessing, a pool) pickles a worker's exception to its parent: the
+    copy has the same message and fields (an exception class whose __init__ takes other
+    arguments than its message fails to unpickle, and a pool's result thread dies on it)."""
+    import pickle
+
+    from tiny_fsdp.core.utils.failure import PeerFailureError
+
+    error = PeerFailureError(2, {1: "ValueError: x"}, [3], "Connection closed by peer")
+    copy = pickle.loads(pickle.dumps(error))
+    assert type(copy) is PeerFailureError and str(copy) == str(error)
+    assert (copy.rank, copy.failed, copy.unresponsive, copy.cause) == (
+        2, {1: "ValueError: x"}, [3], "Connection closed by peer"
+    )  # fmt: skip
+    assert copy.failed_ranks == [1, 3]
+
+
 def _nonfinite(rank: int, world_size: int) -> List[dict]:
     from tiny_fsdp.core.utils.failure import nonfinite_ranks
 

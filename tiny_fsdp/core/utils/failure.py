@@ -37,7 +37,7 @@ import socket
 import time
 import traceback
 from dataclasses import dataclass
-from typing import Any, Dict, List, Optional, Sequence, Union
+from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
 import torch.distributed as dist
@@ -67,6 +67,7 @@ class PeerFailureError(RuntimeError):
         self.rank = rank
         self.failed = dict(failed)
         self.unresponsive = list(unresponsive)
+        self.cause = cause
         parts = [f"rank {r} failed: {summary}" for r, summary in sorted(self.failed.items())]
         if self.unresponsive:
             parts.append(
@@ -77,6 +78,11 @@ class PeerFailureError(RuntimeError):
             f"rank {rank} stopped because {'; '.join(parts)}. Fix that rank's problem (its "
             f"traceback is in its log); this rank only saw its collective fail: {cause}"
         )
+
+    def __reduce__(self) -> Tuple[Any, Tuple[Any, ...]]:
+        # Pickled by value (multiprocessing, a job runner): rebuilt from the fields, not from
+        # the message, which is all ``BaseException`` would pass back to ``__init__``.
+        return type(self), (self.rank, self.failed, self.unresponsive, self.cause)
 
     @property
     def failed_ranks(self) -> List[int]:
