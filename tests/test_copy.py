@@ -146,3 +146,53 @@ def test_a_copied_wrapped_model_is_an_independent_model() -> None:
     for world_size in (1, 2):
         for checked in run_distributed(_worker, world_size):
             assert checked == ["DDP", "Zero1", "Zero2", "FSDP", "Zero3"]
+
+
+def _ddp_policy_copies(rank: int, world_size: int) -> Dict[str, str]:
+    """Under DDP with a bf16 policy (parameters fp32 between forwards, [Note: DDP mixed
+    precision]): what a copy of the inner model, the model after its wrapper is dropped, and a
+    copy of the wrapper compute, against the plain model or the original wrapper."""
+    import gc
+
+    from tiny_fsdp import core
+
+    def build() -> nn.Module:
+        return nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 3))
+
+    torch.manual_seed(0)
+    net = build()
+    model = core.DDP(net, mixed_precision=core.MixedPrecisionPolicy(torch.bfloat16))
+    optimizer = core.DDPSGD(model.named_parameters(), lr=0.5)
+    x = torch.randn(5, 4, generator=torch.Generator().manual_seed(rank))
+    model(x).float().square().mean().backward()
+    optimizer.step()
+    plain = build()  # what the inner model is between steps: fp32, no policy
+    plain.load_state_dict(model.state_dict())
+    with torch.no_grad():
+        want, policy_out = plain(x), model(x)
+        inner_copy = copy.deepcopy(model.module)
+        wrapper_copy = copy.deepcopy(model)
+        got = {
+            "inner copy": inner_copy(x),
+            "wrapper copy": wrapper_copy(x),
+        }
+        del model, optimizer, wrapper_copy
+        gc.collect()
+        got["inner, wrapper dropped"] = net(x)
+    out = {}
+    for what, value in got.items():
+        ref = policy_out if what == "wrapper copy" else want
+        out[what] = f"{value.dtype} {'equal' if torch.equal(value, ref) else 'differs'}"
+    return out
+
+
+def test_under_ddp_s_bf16_policy_a_copy_of_the_inner_model_is_the_plain_model() -> None:
+    """DDP's policy is the wrapper's (it casts the parameters per forward), so a copy of
+    ``model.module`` (an EMA, an export) or the model once DDP is dropped computes as the
+    plain fp32 model; a copy of the wrapper computes under the policy, as the original."""
+    for out in run_distributed(_ddp_policy_copies, 2):
+        assert out == {
+            "inner copy": "torch.float32 equal",
+            "wrapper copy": "torch.bfloat16 equal",
+            "inner, wrapper dropped": "torch.float32 equal",
+        }

@@ -220,6 +220,68 @@ def test_apply_that_changes_no_parameter_changes_no_bit_of_training() -> None:
     assert run_distributed(_apply_changing_nothing_worker, 2)[0] == list(STRATEGIES)
 
 
+class Regressor(nn.Module):
+    """Floating inputs, and a loss method that calls the model."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.hidden, self.out = nn.Linear(4, WIDTH), nn.Linear(WIDTH, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # (B, 4) -> (B, 3)
+        return self.out(torch.tanh(self.hidden(x)))
+
+    def loss(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return F.mse_loss(self(x).float(), y)
+
+
+def _policy_paths_worker(rank: int, world_size: int) -> Dict[str, List[str]]:
+    """Under a bf16 policy, the model called through the wrapper, through its own method and
+    as ``model.module``: per strategy, what each path computed in and trained to."""
+    from tiny_fsdp.core import MixedPrecisionPolicy
+
+    paths = {
+        "wrapper": lambda model, x, y: F.mse_loss(model(x).float(), y),
+        "method": lambda model, x, y: model.loss(x, y),
+        "module": lambda model, x, y: F.mse_loss(model.module(x).float(), y),
+    }
+    found: Dict[str, List[str]] = {}
+    for strategy in STRATEGIES:
+        runs = {}
+        for path, loss_of in paths.items():
+            torch.manual_seed(0)
+            policy = MixedPrecisionPolicy(torch.bfloat16)
+            model, opt = build(strategy, Regressor(), sgd(lr=0.5), mixed_precision=policy)
+            g = torch.Generator().manual_seed(rank)
+            losses = []
+            for _ in range(STEPS):
+                x, y = torch.randn(5, 4, generator=g), torch.randn(5, 3, generator=g)
+                loss = loss_of(model, x, y)
+                loss.backward()
+                opt.step()
+                opt.zero_grad()
+                losses.append(loss.item())
+            with torch.no_grad():
+                dtype = str(model.module(x).dtype)
+            runs[path] = (losses, model.state_dict(), dtype)
+        losses, state, dtype = runs["wrapper"]
+        found[strategy] = [
+            path
+            for path, (other_losses, other_state, other_dtype) in runs.items()
+            if other_losses == losses
+            and other_dtype == dtype == "torch.bfloat16"
+            and all(torch.equal(other_state[k], v) for k, v in state.items())
+        ]
+    return found
+
+
+def test_under_a_policy_a_method_and_the_inner_model_compute_as_the_wrapper() -> None:
+    """The policy hooks the inner model, so every path to it computes in bf16 and trains bit
+    for bit as the wrapper's own call (under DDP too, whose parameters stay fp32 between
+    forwards: [Note: DDP mixed precision])."""
+    for found in run_distributed(_policy_paths_worker, 2):
+        assert found == {strategy: ["wrapper", "method", "module"] for strategy in STRATEGIES}
+
+
 def _save_pretrained_worker(rank: int, world_size: int, directory: str) -> List[str]:
     """Every rank calls ``model.save_pretrained``; what rank 0 wrote is the trained model."""
     import transformers

@@ -17,6 +17,11 @@ A ``MixedPrecisionPolicy(param_dtype, reduce_dtype)`` given to a strategy wrappe
 
 DDP runs the user's modules without layer wrappers, so it casts by giving each parameter a
 ``param_dtype`` copy as its data for a step instead ([Note: DDP mixed precision]); the rest holds.
+The casts hook the inner model's forward, so a call that reaches it otherwise than through the
+wrapper (a method of the model: ``model.generate``, ``model.loss``; ``model.module(x)``) computes
+under the policy too. Under DDP the parameters keep their dtype, so the policy is the wrapper's
+alone: a copy of the inner model (``copy.deepcopy(model.module)``), or the model once its
+wrapper is gone, is the plain fp32 model again (``register_forward_casts(owner=...)``).
 Where the cast happens decides what travels: FSDP casts its shard before the all-gather and
 ZeRO-3's owner broadcasts a cast copy, so parameter bytes on the wire halve with bf16; DDP and
 ZeRO-3 reduce gradients of ``reduce_dtype``. ZeRO-1/2 already keep parameters in low precision
@@ -33,8 +38,9 @@ Single device: ``apply_mixed_precision(model, policy)`` gives every layer a
 distributed bf16 runs are compared with.
 """
 
+import weakref
 from dataclasses import dataclass
-from typing import Any, Optional, Tuple
+from typing import Any, Callable, Optional, Tuple
 
 import torch
 from torch import nn
@@ -211,15 +217,23 @@ def apply_mixed_precision(model: nn.Module, policy: MixedPrecisionPolicy) -> nn.
     return model
 
 
-def register_forward_casts(model: nn.Module, policy: Optional[MixedPrecisionPolicy]) -> None:
+def register_forward_casts(
+    model: nn.Module, policy: Optional[MixedPrecisionPolicy], owner: Any = None
+) -> None:
     """Make ``model`` cast its floating inputs to ``policy.param_dtype`` and its floating
-    outputs to ``policy.output_dtype``, where the policy asks (None: remove the casts)."""
+    outputs to ``policy.output_dtype``, where the policy asks (None: remove the casts).
+    ``owner``: the wrapper whose policy it is, if the model's own parameters do not carry it
+    (DDP): the casts then act only on a call of that wrapper's model, while the wrapper lives
+    (not on a copy of the model); None: on every call."""
     for handle in getattr(model, _CAST_HOOKS_ATTR, ()):
         handle.remove()
     handles = []
+    applies = owned_model_check(owner)
     if policy is not None and policy.cast_forward_inputs:
 
-        def cast_in(module: nn.Module, args: tuple, kwargs: dict) -> Tuple[tuple, dict]:
+        def cast_in(module: nn.Module, args: tuple, kwargs: dict) -> Optional[Tuple[tuple, dict]]:
+            if not applies(module):
+                return None
             return cast_inputs(args, kwargs, policy.param_dtype)
 
         handles.append(model.register_forward_pre_hook(cast_in, with_kwargs=True))
@@ -227,10 +241,27 @@ def register_forward_casts(model: nn.Module, policy: Optional[MixedPrecisionPoli
         dtype = policy.output_dtype
 
         def cast_out(module: nn.Module, args: tuple, output: Any) -> Any:
+            if not applies(module):
+                return None
             return map_tensors(output, lambda t: t.to(dtype) if t.is_floating_point() else t)
 
         handles.append(model.register_forward_hook(cast_out))
     setattr(model, _CAST_HOOKS_ATTR, handles)
+
+
+def owned_model_check(owner: Any) -> Callable[[nn.Module], bool]:
+    """``applies(module)``: True if ``module`` is the model of ``owner``, a wrapper held by a
+    weak reference, while it lives (a hook must not keep its wrapper alive, nor act on a copy
+    of the model); always True without an owner."""
+    if owner is None:
+        return lambda module: True
+    ref = weakref.ref(owner)
+
+    def applies(module: nn.Module) -> bool:
+        wrapper = ref()
+        return wrapper is not None and wrapper.module is module
+
+    return applies
 
 
 def check_master_dtypes(model: nn.Module, policy: Optional[MixedPrecisionPolicy]) -> None:

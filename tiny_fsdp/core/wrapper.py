@@ -99,6 +99,9 @@ class DataParallelWrapper(FullStateDicts, nn.Module):
     materializes_meta: bool = False
     #: The strategy gives every parameter storage of its own (flat buffers, shards).
     separates_storage: bool = False
+    #: The parameters keep their dtype under a mixed-precision policy (DDP casts them per
+    #: forward): the policy is the wrapper's, and a copy of the model computes as stored.
+    keeps_parameter_dtype: bool = False
     #: Each rank updates only its local part: the strategy's own optimizer is required.
     updates_local_part: bool = False
     #: ``full_tensor`` is a collective, so ``state_dict()`` is one that every rank must call.
@@ -130,13 +133,18 @@ class DataParallelWrapper(FullStateDicts, nn.Module):
         self._check_and_claim()
         check_master_dtypes(self.module, mixed_precision)
         self.mixed_precision = mixed_precision
-        register_forward_casts(self.module, mixed_precision)  # hooks the inner model
+        self.register_forward_casts()  # hooks the inner model
         self.require_backward_grad_sync = True
         self.enable_async_communication = enable_async_communication
         self.install_state_dict_hooks()  # state_dicts.py
         if self.gathers_full_tensors:
             self.module.register_forward_pre_hook(_arrival_hook(type(self).__name__))
             mark_lockstep(self.module)  # [Note: forwards in lockstep]
+
+    def register_forward_casts(self) -> None:
+        """The policy's input and output casts on the inner model ([Note: mixed precision])."""
+        owner = self if self.keeps_parameter_dtype else None
+        register_forward_casts(self.module, self.mixed_precision, owner)
 
     def _check_and_claim(self) -> None:
         """[Note: wrap-time checks]; then every parameter is tagged as this wrapper's."""

@@ -22,6 +22,7 @@ DDP, a backward after a synchronised one (no ``zero_grad`` between) adds onto th
 precision: [Note: DDP mixed precision].
 """
 
+import weakref
 from typing import Any, Dict, List, Mapping, Optional, Sequence, Set, Union
 
 import torch
@@ -36,7 +37,7 @@ from tiny_fsdp.core.ddp.comm_hooks import CommHook, Hook, check_one_hook
 from tiny_fsdp.core.ddp.join import DDPJoinHook, JoinContext
 from tiny_fsdp.core.ddp.mixed_precision import ParamCast
 from tiny_fsdp.core.ownership import owner_of
-from tiny_fsdp.core.precision import MixedPrecisionPolicy
+from tiny_fsdp.core.precision import MixedPrecisionPolicy, owned_model_check
 from tiny_fsdp.core.replicated import ReplicatedWrapper, broadcast_module_buffers
 from tiny_fsdp.core.sparse_grads import sparse_grad_params
 from tiny_fsdp.core.wrap_checks import check_module
@@ -78,6 +79,8 @@ class DDP(ReplicatedWrapper, Joinable):
     Uneven inputs: ``with model.join(): ...`` ([Note: DDP join]).
     """
 
+    keeps_parameter_dtype = True  # [Note: DDP mixed precision]
+
     def __init__(
         self,
         module: nn.Module,
@@ -112,8 +115,11 @@ class DDP(ReplicatedWrapper, Joinable):
         self.bucket_cap_mb = bucket_cap_mb
         self.world_size = dist.get_world_size()
         self._cast: Optional[ParamCast] = None
+        self._cast_hooks: List[Any] = []
+        self._forward_depth = 0  # calls of the inner model in progress
         if self.mixed_precision is not None:
             self._cast = ParamCast(params, self.mixed_precision.param_dtype)
+            self._hook_compute_copies()
         self._backward: Optional[BucketedBackward] = None
         self._comm_hook: Optional[CommHook] = None
         self._build_buckets()
@@ -209,6 +215,42 @@ class DDP(ReplicatedWrapper, Joinable):
     def after_copy(self) -> None:
         self._backward = None  # the copied engine hooks the original's parameters
         self._build_buckets()
+        if self._cast is not None:  # the copied hooks act for the original wrapper only
+            self.register_forward_casts()
+            self._hook_compute_copies()
+
+    def _hook_compute_copies(self) -> None:
+        """Every call of the inner model (through this wrapper, a method of the model,
+        ``model.module(x)``) computes with the compute copies ([Note: DDP mixed precision])."""
+        for handle in self._cast_hooks:
+            handle.remove()
+        applies, ref = owned_model_check(self), weakref.ref(self)
+
+        def begin(module: nn.Module, args: Any) -> None:
+            if applies(module):
+                ref()._forward_begins()
+
+        def end(module: nn.Module, args: Any, output: Any) -> None:
+            if applies(module):
+                ref()._forward_ends(output)
+
+        self._cast_hooks = [
+            self.module.register_forward_pre_hook(begin, prepend=True),
+            self.module.register_forward_hook(end, always_call=True),  # also when it raises
+        ]
+
+    def _forward_begins(self) -> None:
+        self._forward_depth += 1
+        self._cast.to_compute()  # until the end of backward ([Note: DDP mixed precision])
+
+    def _forward_ends(self, output: Any) -> None:
+        self._forward_depth = max(self._forward_depth - 1, 0)
+        if self._forward_depth:
+            return  # the model called itself: the outer call decides
+        if output is None:  # the forward raised (or returned nothing): no backward follows
+            self._cast.to_master(attach_grads=False)
+        elif not (torch.is_grad_enabled() and self._trainable):
+            self._cast.to_master()  # no backward follows
 
     def _bucketed_ids(self) -> Set[int]:
         return set() if self._backward is None else {id(p) for p in self._backward.store.params}
@@ -229,17 +271,7 @@ class DDP(ReplicatedWrapper, Joinable):
         if self._join_config.enable and self._join_hook is not None:
             self._join_hook.begin_iteration()  # inside join(): [Note: DDP join]
         args, kwargs = self.inputs_to_device(args, kwargs)
-        if self._cast is None:
-            return super().forward(*args, **kwargs)
-        self._cast.to_compute()  # until the end of backward ([Note: DDP mixed precision])
-        try:
-            output = super().forward(*args, **kwargs)
-        except BaseException:
-            self._cast.to_master(attach_grads=False)
-            raise
-        if not (torch.is_grad_enabled() and self._trainable):
-            self._cast.to_master()  # no backward follows
-        return output
+        return super().forward(*args, **kwargs)  # the inner model's hooks cast the parameters
 
     def state_dict(self, *args: Any, **kwargs: Any) -> Any:
         if self._cast is not None:

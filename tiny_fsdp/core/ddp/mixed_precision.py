@@ -6,8 +6,9 @@ what it fetches ([Note: mixed precision]). Instead, under ``MixedPrecisionPolicy
 reduce_dtype)``, each parameter's *data* changes for the length of a forward and its backward,
 while the Parameter objects stay the ones every module holds:
 
-1. ``to_compute`` (DDP's forward, before the model runs): each floating parameter puts its
-   fp32 tensor aside (its *master*) and ``param.data`` becomes a ``param_dtype`` copy of it.
+1. ``to_compute`` (a forward pre-hook of the inner model, so any call of it: through DDP, a
+   method of the model such as ``generate``, ``model.module(x)``): each floating parameter puts
+   its fp32 tensor aside (its *master*) and ``param.data`` becomes a ``param_dtype`` copy of it.
    Every module, a tied head, a parent reading a child's weight: all compute in ``param_dtype``
    without a change to their code.
 2. Backward: autograd saves leaf parameters as the objects themselves, so the copies must stay
@@ -25,8 +26,11 @@ assigns gradients through ``set_grad``, which keeps such an assignment until ``t
 ``param_dtype`` gradients into it in place, in fp32: ``no_sync`` micro-steps accumulate in fp32
 (the store moves a fresh ``param_dtype`` gradient into fp32 at the end of its micro-step).
 
-A forward that no backward follows (gradients disabled: evaluation under ``torch.no_grad()``)
-restores the masters when it returns; ``state_dict`` / ``load_state_dict`` restore them too. A
+A forward that no backward follows (gradients disabled: evaluation under ``torch.no_grad()``;
+one that raised) restores the masters when it returns; ``state_dict`` / ``load_state_dict``
+restore them too. The hooks (and the policy's input casts) act on DDP's own model while DDP
+lives: a copy of the inner model (``copy.deepcopy(model.module)``: an EMA, an export), or the
+model once DDP is dropped, is the plain fp32 model; a copy of DDP hooks its own. A
 second forward before the backward reuses the copies. Between a forward with gradients and its
 backward the parameters hold the copies, as in torch's DDP: do not step the optimizer there.
 Frozen parameters compute in ``param_dtype`` too. Buffers keep their dtype: a module that mixes
