@@ -11,6 +11,7 @@ The oracle: torch's DDP with the same copies of its module, the same SGD steps a
 """
 
 import copy
+import re
 from typing import Dict, List
 
 import pytest
@@ -196,3 +197,87 @@ def test_under_ddp_s_bf16_policy_a_copy_of_the_inner_model_is_the_plain_model() 
             "wrapper copy": "torch.bfloat16 equal",
             "inner, wrapper dropped": "torch.float32 equal",
         }
+
+
+class _Scaled(nn.Module):
+    """Floating inputs, a raw parameter on the root (FSDP / ZeRO-3's generic path)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.scale = nn.Parameter(torch.full((3,), 2.0))
+        self.body = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 3))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # (B, 4) -> (B, 3)
+        return self.body(x) * self.scale
+
+
+def _pickled(rank: int, world_size: int) -> Dict[str, str]:
+    """``torch.save(model.module)`` and ``torch.save(model)`` after a step, fp32 and bf16 policy,
+    every strategy: what loading gave, or what was raised."""
+    import io
+
+    from tiny_fsdp import core
+
+    out = {}
+    x = torch.randn(5, 4, generator=torch.Generator().manual_seed(rank))
+    for precision in ("fp32", "bf16"):
+        policy = core.MixedPrecisionPolicy.from_name(precision)
+        for name in ("DDP", "Zero1", "Zero2", "FSDP", "Zero3"):
+            torch.manual_seed(0)
+            model = getattr(core, name)(_Scaled(), mixed_precision=policy)
+            optimizer = getattr(core, name + "SGD")(model.named_parameters(), lr=0.5)
+            model(x).float().square().mean().backward()
+            optimizer.step()
+            with torch.no_grad():
+                wrapped = model(x)
+            plain = _Scaled()  # the trained values, without any policy
+            plain.load_state_dict(model.state_dict())
+            for what, obj in (("module", model.module), ("wrapper", model)):
+                case = f"{name} {precision} {what}"
+                buffer = io.BytesIO()
+                try:
+                    torch.save(obj, buffer)
+                except TypeError as exc:
+                    out[case] = "refused: " + str(exc)
+                    continue
+                buffer.seek(0)
+                loaded = torch.load(buffer, weights_only=False)
+                with torch.no_grad():
+                    y = loaded(x)
+                    as_plain, as_wrapped = torch.equal(y, plain(x)), torch.equal(y, wrapped)
+                again = getattr(core, name)(loaded)  # no policy: the loaded model is plain
+                out[case] = (
+                    f"{y.dtype} plain={as_plain} wrapped={as_wrapped} {type(again).__name__}"
+                )
+    return out
+
+
+def test_torch_save_of_the_inner_model_gives_the_plain_model_where_it_is_whole() -> None:
+    """[Note: pickling a wrapped model]: under DDP and ZeRO-1/2 ``torch.save(model.module)``
+    saves the plain model, which loads and wraps again (under a bf16 policy: DDP's is the plain
+    fp32 model, ZeRO-1/2's the bf16 model they store, casting its inputs); under FSDP / ZeRO-3,
+    and for a wrapper itself, pickling raises, saying what to save instead."""
+    state_dict_fix = r"instead use torch\.save\(model\.state_dict\(\)\) \(full tensors"
+    for out in run_distributed(_pickled, 2):
+        for precision in ("fp32", "bf16"):
+            low = precision == "bf16"
+            assert out[f"DDP {precision} module"] == (
+                f"torch.float32 plain=True wrapped={not low} DDP"
+            )
+            for name in ("Zero1", "Zero2"):
+                case = f"{name} {precision} module"
+                # A model of bf16 parameters takes no policy: wrapped again without one.
+                dtype = "torch.bfloat16" if low else "torch.float32"
+                assert out[case] == f"{dtype} plain={not low} wrapped=True {name}", case
+            for name in ("DDP", "Zero1", "Zero2"):
+                assert re.fullmatch(
+                    rf"refused: an? {name} wrapper cannot be pickled .*instead use "
+                    r"torch\.save\(model\.module\) \(the plain model\).*",
+                    out[f"{name} {precision} wrapper"],
+                ), out[f"{name} {precision} wrapper"]
+            for name in ("FSDP", "Zero3"):
+                for what in ("module", "wrapper"):
+                    case = f"{name} {precision} {what}"
+                    assert out[case].startswith("refused: "), case
+                    assert re.search(state_dict_fix, out[case]), case
+                assert "this rank's parts" in out[f"{name} {precision} module"]

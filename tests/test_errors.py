@@ -451,7 +451,7 @@ EXPECTED: Dict[str, Tuple[type, str]] = {
         for s in ["ddp", "zero1", "zero2"]
     },
     **{
-        f"aliased-{s}": (ValueError, r"'0.weight' and '1.weight' share storage")
+        f"aliased-{s}": (ValueError, r"'0.weight' and '1.weight' share memory")
         for s in ["zero1", "zero2", "zero3", "fsdp"]
     },
     "table-world-size": (ValueError, r"made for 3 ranks but the process group has 2; build"),
@@ -635,6 +635,32 @@ def test_a_dropped_wrapper_goes_quietly() -> None:
 
 
 # ------------------------------------------------------------------ single process
+
+
+def test_parameters_over_one_storage_are_refused_only_where_they_overlap() -> None:
+    """Disjoint pieces of one storage (a copy of a ZeRO-1/2 model: views of its flat buffer)
+    are independent parameters; pieces that share an element, or whose elements interleave,
+    would be untied by sharding each on its own."""
+    from tiny_fsdp.core.wrap_checks import check_no_shared_storage
+
+    def model_of(*pieces: torch.Tensor) -> nn.Module:
+        model = nn.Module()
+        for index, piece in enumerate(pieces):
+            model.register_parameter(f"p{index}", nn.Parameter(piece))
+        return model
+
+    flat, grid = torch.zeros(30), torch.zeros(4, 6)
+    check_no_shared_storage(model_of(flat[10:20], flat[:10], flat[20:].view(2, 5)), "DDP")
+    overlapping = {
+        "a piece inside a longer one": (flat[:30], flat[20:25]),
+        "two pieces sharing elements": (flat[:12], flat[10:20]),
+        "interleaved columns": (grid[:, 0], grid[:, 1]),
+        "a later piece inside the first": (flat[:25], flat[5:10], flat[12:14]),
+    }
+    for what, pieces in overlapping.items():
+        with pytest.raises(ValueError, match="share memory but are distinct Parameter"):
+            check_no_shared_storage(model_of(*pieces), "DDP")
+            raise AssertionError(what)
 
 
 def test_every_strategy_without_a_process_group_says_how_to_start_one() -> None:

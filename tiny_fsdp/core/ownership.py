@@ -25,6 +25,8 @@ from typing import Any, List, Optional
 
 import torch
 
+from tiny_fsdp.core.pickling import refuse_pickling
+
 TAG_PREFIX = "_tiny_fsdp_"  # every attribute a strategy puts on a parameter starts so
 OWNER_ATTR = TAG_PREFIX + "owner"
 _LIVE: "weakref.WeakSet[Any]" = weakref.WeakSet()  # every wrapper that tagged a tensor
@@ -42,6 +44,12 @@ class _OwnerRef(weakref.ref):
         super().__init__(wrapper)
         self.kind = type(wrapper).__name__
         self.changed = changed
+
+    def __reduce__(self) -> Any:
+        owner = self()
+        if owner is not None and owner.gathers_full_tensors:
+            refuse_pickling(type(owner).__name__)
+        return type(None), ()  # a pickled copy is no wrapper's: [Note: pickling a wrapped model]
 
     def __copy__(self) -> "_OwnerRef":
         return self  # as copy treats a weakref.ref: atomic

@@ -47,6 +47,7 @@ from torch import nn
 
 from tiny_fsdp.core.module.base import CallbackModule
 from tiny_fsdp.core.module.handler import ParamHandler, Params, TrainingPhase
+from tiny_fsdp.core.pickling import HookObject, Inert
 from tiny_fsdp.core.utils.tree import map_tensors
 
 _LOW_PRECISION = (torch.float16, torch.bfloat16)
@@ -228,25 +229,37 @@ def register_forward_casts(
     for handle in getattr(model, _CAST_HOOKS_ATTR, ()):
         handle.remove()
     handles = []
-    applies = owned_model_check(owner)
     if policy is not None and policy.cast_forward_inputs:
-
-        def cast_in(module: nn.Module, args: tuple, kwargs: dict) -> Optional[Tuple[tuple, dict]]:
-            if not applies(module):
-                return None
-            return cast_inputs(args, kwargs, policy.param_dtype)
-
+        cast_in = ForwardCast(policy.param_dtype, True, owner)
         handles.append(model.register_forward_pre_hook(cast_in, with_kwargs=True))
     if policy is not None and policy.output_dtype is not None:
-        dtype = policy.output_dtype
-
-        def cast_out(module: nn.Module, args: tuple, output: Any) -> Any:
-            if not applies(module):
-                return None
-            return map_tensors(output, lambda t: t.to(dtype) if t.is_floating_point() else t)
-
+        cast_out = ForwardCast(policy.output_dtype, False, owner)
         handles.append(model.register_forward_hook(cast_out))
     setattr(model, _CAST_HOOKS_ATTR, handles)
+
+
+class ForwardCast(HookObject):
+    """A forward pre-hook with kwargs that casts a call's floating inputs to ``dtype``
+    (``inputs``), or a forward hook that casts its floating outputs. With an ``owner`` (held
+    weakly) it acts only on the owner's model while the owner lives, and pickles as ``Inert``
+    ([Note: pickling a wrapped model]); without one it pickles as itself."""
+
+    def __init__(self, dtype: torch.dtype, inputs: bool, owner: Any = None) -> None:
+        self.dtype, self.inputs, self.owned = dtype, inputs, owner is not None
+        self.applies = owned_model_check(owner)
+
+    def __call__(self, module: nn.Module, args: tuple, kwargs_or_output: Any) -> Any:
+        if not self.applies(module):
+            return None
+        if self.inputs:
+            return cast_inputs(args, kwargs_or_output, self.dtype)
+        return map_tensors(kwargs_or_output, self._cast_floating)
+
+    def _cast_floating(self, t: torch.Tensor) -> torch.Tensor:
+        return t.to(self.dtype) if t.is_floating_point() else t
+
+    def __reduce__(self) -> Any:
+        return (Inert, ()) if self.owned else (ForwardCast, (self.dtype, self.inputs))
 
 
 def owned_model_check(owner: Any) -> Callable[[nn.Module], bool]:
@@ -254,7 +267,7 @@ def owned_model_check(owner: Any) -> Callable[[nn.Module], bool]:
     weak reference, while it lives (a hook must not keep its wrapper alive, nor act on a copy
     of the model); always True without an owner."""
     if owner is None:
-        return lambda module: True
+        return _always
     ref = weakref.ref(owner)
 
     def applies(module: nn.Module) -> bool:
@@ -262,6 +275,10 @@ def owned_model_check(owner: Any) -> Callable[[nn.Module], bool]:
         return wrapper is not None and wrapper.module is module
 
     return applies
+
+
+def _always(module: nn.Module) -> bool:
+    return True
 
 
 def check_master_dtypes(model: nn.Module, policy: Optional[MixedPrecisionPolicy]) -> None:

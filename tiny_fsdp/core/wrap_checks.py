@@ -1,6 +1,6 @@
 """Checks every strategy runs on a model at wrap time ([Note: wrap-time checks] in wrapper.py)."""
 
-from typing import Any, Iterable, Tuple
+from typing import Any, Dict, Iterable, List, Tuple
 
 from torch import nn
 from torch.nn.parameter import is_lazy
@@ -77,19 +77,31 @@ def check_same_model_on_all_ranks(module: nn.Module, what: str) -> None:
 
 
 def check_no_shared_storage(module: nn.Module, what: str) -> None:
-    """Raise if two distinct parameters share storage: sharding each on its own unties them."""
-    seen = {}
+    """Raise if two distinct parameters overlap in memory: sharding each on its own unties
+    them. Parameters that are disjoint pieces of one storage (a copy of a ZeRO-1/2 model, whose
+    parameters are views of one flat buffer) are independent tensors, and allowed."""
+    spans: Dict[Any, List[Tuple[int, int, str]]] = {}  # storage -> (first byte, end, name)
     for name, param in module.named_parameters():  # a tied Parameter (one object) comes once
         if param.device.type == "meta" or param.numel() == 0:
             continue
+        last = sum((n - 1) * s for n, s in zip(param.shape, param.stride()))  # in elements
+        start = param.storage_offset() * param.element_size()
+        end = start + (last + 1) * param.element_size()
         key = (param.device, param.untyped_storage().data_ptr())
-        if key in seen:
-            raise ValueError(
-                f"{what}: parameters '{seen[key]}' and '{name}' share storage but are distinct "
-                f"Parameter objects, which {what} would shard separately (untying them). Tie "
-                "them by assigning one Parameter to both modules (e.g. b.weight = a.weight)."
-            )
-        seen[key] = name
+        spans.setdefault(key, []).append((start, end, name))
+    for pieces in spans.values():
+        pieces.sort()
+        reach, owner = -1, ""  # the furthest end so far, and whose
+        for start, end, name in pieces:
+            if start < reach:  # between two elements of one piece may lie the other's
+                raise ValueError(
+                    f"{what}: parameters '{owner}' and '{name}' share memory but are distinct "
+                    f"Parameter objects, which {what} would shard separately (untying them). "
+                    "Tie them by assigning one Parameter to both modules (e.g. b.weight = "
+                    "a.weight)."
+                )
+            if end > reach:
+                reach, owner = end, name
 
 
 def check_no_max_norm_embeddings(module: nn.Module, what: str) -> None:

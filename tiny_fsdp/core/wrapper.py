@@ -61,6 +61,7 @@ from tiny_fsdp.core.count_methods import COUNT_METHODS, full_shape_method
 from tiny_fsdp.core.local_state import LocalPiece, replicated_piece
 from tiny_fsdp.core.module import convert_module
 from tiny_fsdp.core.ownership import TAG_PREFIX, owner_of, tag_owner
+from tiny_fsdp.core.pickling import HookObject, refuse_pickling
 from tiny_fsdp.core.precision import (
     MixedPrecisionPolicy,
     as_policy,
@@ -138,7 +139,7 @@ class DataParallelWrapper(FullStateDicts, nn.Module):
         self.enable_async_communication = enable_async_communication
         self.install_state_dict_hooks()  # state_dicts.py
         if self.gathers_full_tensors:
-            self.module.register_forward_pre_hook(_arrival_hook(type(self).__name__))
+            self.module.register_forward_pre_hook(_ArrivalCheck(type(self).__name__))
             mark_lockstep(self.module)  # [Note: forwards in lockstep]
 
     def register_forward_casts(self) -> None:
@@ -201,6 +202,9 @@ class DataParallelWrapper(FullStateDicts, nn.Module):
             tag_owner(param, new)
         new.after_copy()
         return new
+
+    def __reduce_ex__(self, protocol: Any) -> Any:
+        refuse_pickling(type(self).__name__, whole=True)  # [Note: pickling a wrapped model]
 
     def after_copy(self) -> None:
         """This wrapper was just deep-copied from another ([Note: copying a wrapped model]):
@@ -397,13 +401,17 @@ _FORWARD_FIX = (
 )
 
 
-def _arrival_hook(kind: str) -> Any:
+class _ArrivalCheck(HookObject):
     """Forward pre-hook of the inner model of a gathering strategy: a forward without gradients
     (evaluation, generation: the torch DDP habit runs them on rank 0 alone) first waits for
     every rank ([Note: arrival check]); training forwards, which every rank runs, skip it."""
 
-    def hook(module: nn.Module, args: Any) -> None:
-        if not torch.is_grad_enabled():
-            every_rank_arrives(f"{kind} forward without gradients", _FORWARD_FIX)
+    def __init__(self, kind: str) -> None:
+        self.kind = kind
 
-    return hook
+    def __call__(self, module: nn.Module, args: Any) -> None:
+        if not torch.is_grad_enabled():
+            every_rank_arrives(f"{self.kind} forward without gradients", _FORWARD_FIX)
+
+    def __reduce__(self) -> Any:
+        refuse_pickling(self.kind)  # [Note: pickling a wrapped model]

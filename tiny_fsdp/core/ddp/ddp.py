@@ -37,6 +37,7 @@ from tiny_fsdp.core.ddp.comm_hooks import CommHook, Hook, check_one_hook
 from tiny_fsdp.core.ddp.join import DDPJoinHook, JoinContext
 from tiny_fsdp.core.ddp.mixed_precision import ParamCast
 from tiny_fsdp.core.ownership import owner_of
+from tiny_fsdp.core.pickling import HookObject, Inert
 from tiny_fsdp.core.precision import MixedPrecisionPolicy, owned_model_check
 from tiny_fsdp.core.replicated import ReplicatedWrapper, broadcast_module_buffers
 from tiny_fsdp.core.sparse_grads import sparse_grad_params
@@ -224,19 +225,10 @@ class DDP(ReplicatedWrapper, Joinable):
         ``model.module(x)``) computes with the compute copies ([Note: DDP mixed precision])."""
         for handle in self._cast_hooks:
             handle.remove()
-        applies, ref = owned_model_check(self), weakref.ref(self)
-
-        def begin(module: nn.Module, args: Any) -> None:
-            if applies(module):
-                ref()._forward_begins()
-
-        def end(module: nn.Module, args: Any, output: Any) -> None:
-            if applies(module):
-                ref()._forward_ends(output)
-
         self._cast_hooks = [
-            self.module.register_forward_pre_hook(begin, prepend=True),
-            self.module.register_forward_hook(end, always_call=True),  # also when it raises
+            self.module.register_forward_pre_hook(_ComputeCopies(self, True), prepend=True),
+            # always_call: also when the forward raises.
+            self.module.register_forward_hook(_ComputeCopies(self, False), always_call=True),
         ]
 
     def _forward_begins(self) -> None:
@@ -284,6 +276,29 @@ class DDP(ReplicatedWrapper, Joinable):
         if self._cast is not None:
             self._cast.to_master()  # load into the masters, not into the compute copies
         return super().load_state_dict(state_dict, strict, assign)
+
+
+class _ComputeCopies(HookObject):
+    """The forward pre-hook (``begin``) and hook of DDP's inner model that take and give back
+    the compute copies; they act on that wrapper's model while it lives (held weakly), and
+    pickle as ``Inert`` hooks ([Note: pickling a wrapped model])."""
+
+    def __init__(self, wrapper: DDP, begin: bool) -> None:
+        self.applies, self.wrapper, self.begin = (
+            owned_model_check(wrapper),
+            weakref.ref(wrapper),
+            begin,
+        )
+
+    def __call__(self, module: nn.Module, args: Any, output: Any = None) -> None:
+        if self.applies(module):
+            if self.begin:
+                self.wrapper()._forward_begins()
+            else:
+                self.wrapper()._forward_ends(output)
+
+    def __reduce__(self) -> Any:
+        return Inert, ()
 
 
 def _input_device(
