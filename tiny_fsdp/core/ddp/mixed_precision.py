@@ -10,7 +10,8 @@ while the Parameter objects stay the ones every module holds:
    method of the model such as ``generate``, ``model.module(x)``): each floating parameter puts
    its fp32 tensor aside (its *master*) and ``param.data`` becomes a ``param_dtype`` copy of it.
    Every module, a tied head, a parent reading a child's weight: all compute in ``param_dtype``
-   without a change to their code.
+   without a change to their code. (A submodule called on its own, outside a call of the
+   model, finds the fp32 masters in place and computes in fp32.)
 2. Backward: autograd saves leaf parameters as the objects themselves, so the copies must stay
    in place until backward ends. Gradients come out in ``param_dtype``; DDP's store divides them
    into its buckets, whose dtype is ``reduce_dtype`` (what the all-reduce moves).
