@@ -282,6 +282,65 @@ def test_under_a_policy_a_method_and_the_inner_model_compute_as_the_wrapper() ->
         assert found == {strategy: ["wrapper", "method", "module"] for strategy in STRATEGIES}
 
 
+class Stashing(Regressor):
+    """Returns its loss, or keeps it in ``self.last_loss`` and returns None (``stash``), or
+    raises (``fail``): the odd forwards DDP's compute copies must see through. ``gain`` is
+    multiplied in, so autograd saves that parameter itself for the backward."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.gain = nn.Parameter(torch.full((3,), 1.5))
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor, stash: bool = False, fail: bool = False):
+        if fail:
+            raise ValueError("a forward that fails")
+        loss = F.mse_loss((super().forward(x) * self.gain).float(), y)
+        if stash:
+            self.last_loss = loss
+            return None
+        return loss
+
+
+def _odd_forwards_worker(rank: int, world_size: int) -> List[Tuple[str, bool]]:
+    """Under DDP's bf16 policy: steps returning the loss; the same with a forward that raised
+    before each step; the same with the loss kept in an attribute and None returned."""
+    from tiny_fsdp.core import DDP, DDPSGD, MixedPrecisionPolicy
+
+    runs = {}
+    for how in ("returned", "after a raise", "stashed"):
+        torch.manual_seed(0)
+        model = DDP(Stashing(), mixed_precision=MixedPrecisionPolicy(torch.bfloat16))
+        opt = DDPSGD(model.named_parameters(), lr=0.5)
+        g = torch.Generator().manual_seed(rank)
+        for _ in range(STEPS):
+            x, y = torch.randn(5, 4, generator=g), torch.randn(5, 3, generator=g)
+            if how == "after a raise":
+                with pytest.raises(ValueError, match="a forward that fails"):
+                    model(x, y, fail=True)
+                assert all(p.dtype == torch.float32 for p in model.parameters())  # masters back
+            if how == "stashed":
+                assert model(x, y, stash=True) is None
+                loss = model.module.last_loss
+            else:
+                loss = model(x, y)
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+        runs[how] = model.state_dict()
+    return [
+        (how, all(torch.equal(state[k], v) for k, v in runs["returned"].items()))
+        for how, state in runs.items()
+    ]
+
+
+def test_ddp_s_compute_copies_see_through_a_forward_that_raises_or_returns_none() -> None:
+    """A forward that raised gives the fp32 masters back (no backward follows it); one that
+    returned None keeps the copies for the backward of the loss it kept: both train bit for
+    bit as plain steps ([Note: DDP mixed precision])."""
+    for got in run_distributed(_odd_forwards_worker, 2):
+        assert got == [("returned", True), ("after a raise", True), ("stashed", True)]
+
+
 def _save_pretrained_worker(rank: int, world_size: int, directory: str) -> List[str]:
     """Every rank calls ``model.save_pretrained``; what rank 0 wrote is the trained model."""
     import transformers

@@ -117,7 +117,7 @@ class DDP(ReplicatedWrapper, Joinable):
         self.world_size = dist.get_world_size()
         self._cast: Optional[ParamCast] = None
         self._cast_hooks: List[Any] = []
-        self._forward_depth = 0  # calls of the inner model in progress
+        self._calls: List[bool] = []  # calls of the inner model in progress: returned yet?
         if self.mixed_precision is not None:
             self._cast = ParamCast(params, self.mixed_precision.param_dtype)
             self._hook_compute_copies()
@@ -226,20 +226,24 @@ class DDP(ReplicatedWrapper, Joinable):
         for handle in self._cast_hooks:
             handle.remove()
         self._cast_hooks = [
-            self.module.register_forward_pre_hook(_ComputeCopies(self, True), prepend=True),
-            # always_call: also when the forward raises.
-            self.module.register_forward_hook(_ComputeCopies(self, False), always_call=True),
+            self.module.register_forward_pre_hook(_ComputeCopies(self, "begin"), prepend=True),
+            self.module.register_forward_hook(_ComputeCopies(self, "returned")),
+            # always_call: also when the forward raised (then "returned" did not run).
+            self.module.register_forward_hook(_ComputeCopies(self, "end"), always_call=True),
         ]
 
     def _forward_begins(self) -> None:
-        self._forward_depth += 1
+        self._calls.append(False)
         self._cast.to_compute()  # until the end of backward ([Note: DDP mixed precision])
 
-    def _forward_ends(self, output: Any) -> None:
-        self._forward_depth = max(self._forward_depth - 1, 0)
-        if self._forward_depth:
+    def _forward_returned(self) -> None:
+        self._calls[-1] = True
+
+    def _forward_ends(self) -> None:
+        returned = self._calls.pop() if self._calls else False
+        if self._calls:
             return  # the model called itself: the outer call decides
-        if output is None:  # the forward raised (or returned nothing): no backward follows
+        if not returned:  # the forward raised: no backward follows
             self._cast.to_master(attach_grads=False)
         elif not (torch.is_grad_enabled() and self._trainable):
             self._cast.to_master()  # no backward follows
@@ -279,23 +283,24 @@ class DDP(ReplicatedWrapper, Joinable):
 
 
 class _ComputeCopies(HookObject):
-    """The forward pre-hook (``begin``) and hook of DDP's inner model that take and give back
-    the compute copies; they act on that wrapper's model while it lives (held weakly), and
-    pickle as ``Inert`` hooks ([Note: pickling a wrapped model])."""
+    """A forward pre-hook (``"begin"``) or hook (``"returned"``, ``"end"``) of DDP's inner
+    model that takes and gives back the compute copies; it acts on that wrapper's model while
+    the wrapper lives (held weakly), and pickles as ``Inert`` ([Note: pickling a wrapped
+    model])."""
 
-    def __init__(self, wrapper: DDP, begin: bool) -> None:
-        self.applies, self.wrapper, self.begin = (
-            owned_model_check(wrapper),
-            weakref.ref(wrapper),
-            begin,
-        )
+    def __init__(self, wrapper: DDP, when: str) -> None:
+        self.applies, self.wrapper = owned_model_check(wrapper), weakref.ref(wrapper)
+        self.when = when
 
     def __call__(self, module: nn.Module, args: Any, output: Any = None) -> None:
         if self.applies(module):
-            if self.begin:
-                self.wrapper()._forward_begins()
+            wrapper = self.wrapper()
+            if self.when == "begin":
+                wrapper._forward_begins()
+            elif self.when == "returned":
+                wrapper._forward_returned()
             else:
-                self.wrapper()._forward_ends(output)
+                wrapper._forward_ends()
 
     def __reduce__(self) -> Any:
         return Inert, ()
