@@ -294,7 +294,9 @@ class Stashing(Regressor):
     def forward(self, x: torch.Tensor, y: torch.Tensor, stash: bool = False, fail: bool = False):
         if fail:
             raise ValueError("a forward that fails")
-        loss = F.mse_loss((super().forward(x) * self.gain).float(), y)
+        # y came in cast to bf16 by the policy, as any floating input (torch 2.9's mse_loss
+        # backward refuses a target of another dtype).
+        loss = F.mse_loss((super().forward(x) * self.gain).float(), y.float())
         if stash:
             self.last_loss = loss
             return None
