@@ -10,9 +10,10 @@ torch's DDP users save a model object with ``torch.save(model.module, path)``. H
   a model pickled with such hooks needs tiny_fsdp importable, as any pickled class does.
 - Under FSDP and ZeRO-3 a rank holds parts of the parameters and the inner model carries the
   strategy's hooks: pickling it raises ``TypeError`` with the fix (FSDP2's modules do not
-  pickle either). The tag, the root's arrival hook and the objects behind the strategy's
-  other hooks on the inner model (``GenericLayer``, ``OutsideReadWatch``) raise it, so that the
-  first of them pickle meets raises this message rather than an error about a process group.
+  pickle either). A parameter's tag and the root's arrival hook raise it. pickle meets one of
+  them before the strategy's other objects for the models tried (``tests/test_copy.py``'s, with
+  a raw parameter on its root; GPT-2, ours and HuggingFace's); a model whose root pickle reaches
+  first through another of the strategy's hooks gets pickle's own error about that object.
 - A wrapper itself refuses (``DataParallelWrapper.__reduce_ex__``), naming what to save
   instead: ``model.module`` where it is the plain model, else ``model.state_dict()`` (full
   tensors) or ``tiny_fsdp.checkpoint``.
@@ -21,12 +22,13 @@ torch's DDP users save a model object with ``torch.save(model.module, path)``. H
 from typing import Any, NoReturn
 
 
-def refuse_pickling(kind: str, whole: bool = False) -> NoReturn:
+def refuse_pickling(kind: str, whole: bool = False, module_is_plain: bool = False) -> NoReturn:
     """Raise the TypeError of [Note: pickling a wrapped model] for a ``kind`` wrapper
-    (``whole``: the wrapper itself, else its inner model)."""
+    (``whole``: the wrapper itself, else its inner model; ``module_is_plain``: the wrapper's
+    inner model holds every parameter whole, so it is what to save)."""
     article = "an" if kind.startswith("FSDP") else "a"
     what = f"{article} {kind} wrapper" if whole else f"the inner model of {article} {kind} wrapper"
-    if whole and kind in ("DDP", "Zero1", "Zero2"):
+    if whole and module_is_plain:
         fix = "torch.save(model.module) (the plain model) or torch.save(model.state_dict())"
     else:
         fix = (

@@ -19,9 +19,8 @@ DDP runs the user's modules without layer wrappers, so it casts by giving each p
 ``param_dtype`` copy as its data for a step instead ([Note: DDP mixed precision]); the rest holds.
 The casts hook the inner model's forward, so a call that reaches it otherwise than through the
 wrapper (a method of the model: ``model.generate``, ``model.loss``; ``model.module(x)``) computes
-under the policy too. Under DDP the parameters keep their dtype, so the policy is the wrapper's
-alone: a copy of the inner model (``copy.deepcopy(model.module)``), or the model once its
-wrapper is gone, is the plain fp32 model again (``register_forward_casts(owner=...)``).
+under the policy too; under DDP they act for DDP's own model only (``register_forward_casts``'s
+``owner``; what that means for copies: [Note: DDP mixed precision]).
 Where the cast happens decides what travels: FSDP casts its shard before the all-gather and
 ZeRO-3's owner broadcasts a cast copy, so parameter bytes on the wire halve with bf16; DDP and
 ZeRO-3 reduce gradients of ``reduce_dtype``. ZeRO-1/2 already keep parameters in low precision

@@ -134,7 +134,7 @@ class DataParallelWrapper(FullStateDicts, nn.Module):
         self._check_and_claim()
         check_master_dtypes(self.module, mixed_precision)
         self.mixed_precision = mixed_precision
-        self.register_forward_casts()  # hooks the inner model
+        self.install_forward_casts()  # hooks the inner model
         self.require_backward_grad_sync = True
         self.enable_async_communication = enable_async_communication
         self.install_state_dict_hooks()  # state_dicts.py
@@ -142,7 +142,7 @@ class DataParallelWrapper(FullStateDicts, nn.Module):
             self.module.register_forward_pre_hook(_ArrivalCheck(type(self).__name__))
             mark_lockstep(self.module)  # [Note: forwards in lockstep]
 
-    def register_forward_casts(self) -> None:
+    def install_forward_casts(self) -> None:
         """The policy's input and output casts on the inner model ([Note: mixed precision])."""
         owner = self if self.keeps_parameter_dtype else None
         register_forward_casts(self.module, self.mixed_precision, owner)
@@ -204,7 +204,10 @@ class DataParallelWrapper(FullStateDicts, nn.Module):
         return new
 
     def __reduce_ex__(self, protocol: Any) -> Any:
-        refuse_pickling(type(self).__name__, whole=True)  # [Note: pickling a wrapped model]
+        # [Note: pickling a wrapped model]
+        refuse_pickling(
+            type(self).__name__, whole=True, module_is_plain=not self.gathers_full_tensors
+        )
 
     def after_copy(self) -> None:
         """This wrapper was just deep-copied from another ([Note: copying a wrapped model]):

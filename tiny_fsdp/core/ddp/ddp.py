@@ -116,7 +116,7 @@ class DDP(ReplicatedWrapper, Joinable):
         self.bucket_cap_mb = bucket_cap_mb
         self.world_size = dist.get_world_size()
         self._cast: Optional[ParamCast] = None
-        self._cast_hooks: List[Any] = []
+        self._compute_copy_hooks: List[Any] = []
         self._calls: List[bool] = []  # calls of the inner model in progress: returned yet?
         if self.mixed_precision is not None:
             self._cast = ParamCast(params, self.mixed_precision.param_dtype)
@@ -217,15 +217,15 @@ class DDP(ReplicatedWrapper, Joinable):
         self._backward = None  # the copied engine hooks the original's parameters
         self._build_buckets()
         if self._cast is not None:  # the copied hooks act for the original wrapper only
-            self.register_forward_casts()
+            self.install_forward_casts()
             self._hook_compute_copies()
 
     def _hook_compute_copies(self) -> None:
         """Every call of the inner model (through this wrapper, a method of the model,
         ``model.module(x)``) computes with the compute copies ([Note: DDP mixed precision])."""
-        for handle in self._cast_hooks:
+        for handle in self._compute_copy_hooks:
             handle.remove()
-        self._cast_hooks = [
+        self._compute_copy_hooks = [
             self.module.register_forward_pre_hook(_ComputeCopies(self, "begin"), prepend=True),
             self.module.register_forward_hook(_ComputeCopies(self, "returned")),
             # always_call: also when the forward raised (then "returned" did not run).
