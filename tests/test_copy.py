@@ -29,6 +29,18 @@ VOCAB, STEPS = 20, 3
 ATOL = 1e-6
 
 
+class _Gain(nn.Module):
+    """A learned gain, a raw parameter of its own: a module on the generic path ([Note: generic
+    layer]), whose full tensors a copy makes anew."""
+
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.linspace(0.5, 1.5, width))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * self.weight
+
+
 def _outputs(model: nn.Module, optimizer, to_copy: nn.Module, rank: int) -> Dict[str, torch.Tensor]:
     """Train with a teacher and an EMA copied from ``to_copy``; every model's last outputs."""
     g = torch.Generator().manual_seed(rank)
@@ -99,6 +111,7 @@ def _worker(rank: int, world_size: int) -> List[str]:
 
     torch.manual_seed(0)
     net = TinyBlocksLM(VOCAB)
+    net.out = nn.Sequential(_Gain(8), net.out)  # (copied after a step it crashed the process)
     reference = DistributedDataParallel(copy.deepcopy(net))
     optimizer = torch.optim.SGD(reference.parameters(), lr=0.5)
     expected = _outputs(reference, optimizer, reference.module, rank)

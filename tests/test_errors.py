@@ -344,6 +344,25 @@ def _wrap_a_dropped_copy(strategy: str) -> Callable[[int, int], None]:
     return run
 
 
+def _wrap_again_after_a_dropped_ddp(strategy: str) -> Callable[[int, int], None]:
+    """A model trained under DDP, the wrapper dropped, then the model wrapped by ``strategy``
+    and trained: DDP's hooks on the parameters went with it (they were refused as the user's
+    gradient hooks: [Note: tensor hooks hold their owner weakly])."""
+
+    def run(rank: int, world_size: int) -> None:
+        import gc
+
+        model = make_model()
+        x = torch.zeros(2, 4, dtype=torch.long)
+        for name in ("ddp", strategy):
+            wrapped, _ = build(name, model, None)
+            wrapped(x).sum().backward()
+            del wrapped
+            gc.collect()
+
+    return run
+
+
 CASES: Dict[str, Callable[[int, int], None]] = {
     **{f"not-a-module-{s}": _wrap_a_function(s) for s in STRATEGIES},
     **{f"unsupported-{s}": _case_unsupported(s) for s in STRATEGIES},
@@ -353,6 +372,7 @@ CASES: Dict[str, Callable[[int, int], None]] = {
     **{f"dropped-block-then-model-{s}": _wrap_a_block_then_the_model(s, False) for s in STRATEGIES},
     "dropped-copy-zero2": _wrap_a_dropped_copy("zero2"),
     "dropped-copy-ddp": _wrap_a_dropped_copy("ddp"),
+    **{f"again-after-ddp-{s}": _wrap_again_after_a_dropped_ddp(s) for s in ["zero3", "fsdp"]},
     "wrap-again-after-bucket-cap-zero2": _wrap_again_after_a_refusal("zero2", bucket_cap_mb=-1),
     "wrap-again-after-unit-fsdp": _wrap_again_after_a_refusal("fsdp", unit=[nn.Linear(2, 2)]),
     "wrap-again-after-unit-zero3": _wrap_again_after_a_refusal("zero3", unit="blocks"),
@@ -431,6 +451,7 @@ EXPECTED: Dict[str, Tuple[type, str]] = {
     },  # fmt: skip
     "dropped-copy-zero2": (ValueError, r"was given storage of its own by a Zero2 wrapper"),
     "dropped-copy-ddp": (type(None), ""),
+    **{f"again-after-ddp-{s}": (type(None), "") for s in ["zero3", "fsdp"]},
     # Refused before it changed anything: the arguments are checked first.
     "wrap-again-after-bucket-cap-zero2": (type(None), ""),
     "wrap-again-after-unit-fsdp": (type(None), ""),
@@ -605,33 +626,58 @@ def test_zero3_tables_cannot_split_a_tied_weight() -> None:
     assert "transformer.wte.weight" in table and "lm_head.weight" not in table
 
 
-def _drop_wrappers(rank: int, world_size: int) -> Dict[str, List[str]]:
-    """Every strategy's wrapper built, trained one step and dropped; what Python reported, per
-    strategy, while it collected the wrapper ("Exception ignored in ...")."""
+class _Gain(nn.Module):
+    """A raw parameter of its own (the generic path: [Note: generic layer]), then a Linear."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.gain = nn.Parameter(torch.ones(4))
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lin(x * self.gain)
+
+
+def _drop_wrappers(rank: int, world_size: int) -> Dict[str, Tuple[List[str], List[str]]]:
+    """Every strategy's wrapper of a model with a registered layer and a module on the generic
+    path, trained one step, deep-copied (an EMA) and dropped with its copy. Per strategy: what
+    Python reported while it collected them ("Exception ignored in ..."), and what is still
+    alive afterwards of the wrappers, their models, modules and parameters."""
+    import copy
     import gc
     import sys
+    import weakref
 
-    reported: Dict[str, List[str]] = {}
+    outcome: Dict[str, Tuple[List[str], List[str]]] = {}
     hook = sys.unraisablehook
     try:
         for strategy in STRATEGIES:
-            reported[strategy] = []
-            sys.unraisablehook = lambda u, out=reported[strategy]: out.append(repr(u.exc_value))
-            wrapped, optimizer = build(strategy, make_model(), adamw(lr=1e-3))
-            wrapped(torch.zeros(2, 4, dtype=torch.long)).sum().backward()
+            reported: List[str] = []
+            sys.unraisablehook = lambda u, out=reported: out.append(repr(u.exc_value))
+            wrapped, optimizer = build(strategy, _Gain(), adamw(lr=1e-3))
+            wrapped(torch.ones(2, 4)).sum().backward()
             optimizer.step()
-            del wrapped, optimizer
+            refs = []
+            for which, kept in [("", wrapped), ("copy of ", copy.deepcopy(wrapped))]:
+                refs.append((which + "wrapper", weakref.ref(kept)))
+                refs += [(which + n, weakref.ref(p)) for n, p in kept.named_parameters()]
+                refs += [(which + n, weakref.ref(m)) for n, m in kept.named_modules()]
+            del wrapped, optimizer, kept
             gc.collect()
+            outcome[strategy] = (reported, [name for name, ref in refs if ref() is not None])
     finally:
         sys.unraisablehook = hook
-    return reported
+    return outcome
 
 
-def test_a_dropped_wrapper_goes_quietly() -> None:
-    """Dropping a wrapper (a model trained and replaced, a sweep in one process) reports
-    nothing: no exception in a finalizer or a weak reference's callback."""
-    for reported in run_distributed(_drop_wrappers, WORLD):
-        assert reported == {strategy: [] for strategy in STRATEGIES}
+def test_a_dropped_wrapper_goes_quietly_and_frees_its_model() -> None:
+    """Dropping a wrapper (a model trained and replaced, a sweep in one process, an EMA copy)
+    reports nothing (no exception in a finalizer or a weak reference's callback) and frees the
+    model: nothing the strategy hooks on a tensor keeps it ([Note: tensor hooks hold their owner
+    weakly]; before, FSDP and ZeRO-3 kept every local parameter, and on the generic path the
+    module, alive for good)."""
+    for outcome in run_distributed(_drop_wrappers, WORLD):
+        assert outcome == {strategy: ([], []) for strategy in STRATEGIES}, outcome
 
 
 # ------------------------------------------------------------------ single process

@@ -61,6 +61,7 @@ from torch import nn
 
 from tiny_fsdp.core.module.generic import output_tensors
 from tiny_fsdp.core.sparse_grads import densify_grad
+from tiny_fsdp.core.utils.weak_hooks import WeakHook, remove_when_gone
 
 
 class GradStore(Protocol):
@@ -126,12 +127,13 @@ class BucketedBackward:
         self._sizes = [len(members) for members in store.bucket_members]
         self._reset()
         engine = weakref.ref(self)
-        self._hook_handles = [
-            p.register_post_accumulate_grad_hook(_grad_ready_hook(engine, index))
+        self._hook_handles = [  # [Note: tensor hooks hold their owner weakly]
+            p.register_post_accumulate_grad_hook(WeakHook(self._on_grad_ready, index))
             for index, p in enumerate(store.params)
         ]
         self._hook_handles.append(owner.register_forward_pre_hook(_drop_stale_state_hook(engine)))
         self._hook_handles.append(owner.register_forward_hook(_watch_output_hook(engine)))
+        remove_when_gone(self, self._hook_handles)
 
     def remove(self) -> None:
         """Unhook from the parameters and the wrapper (the wrapper builds a new engine)."""
@@ -280,17 +282,6 @@ def divide_into(out: torch.Tensor, grad: torch.Tensor, divisor: int, in_place: b
         out.copy_(grad)
     else:
         torch.div(grad, divisor, out=out)  # copy and divide in one pass
-
-
-def _grad_ready_hook(
-    engine: "weakref.ref[BucketedBackward]", index: int
-) -> Callable[[nn.Parameter], None]:
-    def hook(param: nn.Parameter) -> None:
-        live = engine()
-        if live is not None:
-            live._on_grad_ready(index, param)
-
-    return hook
 
 
 def _watch_output_hook(engine: "weakref.ref[BucketedBackward]") -> Callable[..., None]:

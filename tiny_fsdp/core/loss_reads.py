@@ -28,8 +28,10 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 from torch import nn
+from torch.utils.hooks import RemovableHandle
 
 import tiny_fsdp
+from tiny_fsdp.core.utils.weak_hooks import WeakHook, remove_when_gone
 
 Stamp = Optional[Tuple[int, int]]  # a .grad's object and version, or None
 
@@ -54,6 +56,8 @@ class LocalGradWatch:
         self._params: List[nn.Parameter] = []  # hooked: trainable now or since wrapping
         self._frozen = list(module.parameters())  # not hooked yet: frozen so far
         self._seen: Dict[int, Stamp] = {}  # id(param) -> its .grad when last noted
+        self._handles: List[RemovableHandle] = []
+        remove_when_gone(self, self._handles)
         self._hook_trainable()
 
     def note_grads(self) -> None:
@@ -64,7 +68,9 @@ class LocalGradWatch:
 
     def _hook_trainable(self) -> None:
         for param in [p for p in self._frozen if p.requires_grad]:
-            param.register_post_accumulate_grad_hook(self._accumulated)
+            # [Note: tensor hooks hold their owner weakly]
+            hook = WeakHook(self._accumulated)
+            self._handles.append(param.register_post_accumulate_grad_hook(hook))
             self._params.append(param)
         self._frozen = [p for p in self._frozen if not p.requires_grad]
 
@@ -78,8 +84,8 @@ class LocalGradWatch:
 
 
 def is_loss_read_hook(hook: Callable[..., Any]) -> bool:
-    """Whether ``hook`` is a strategy's own (a ``LocalGradWatch``'s), not a user's."""
-    return isinstance(getattr(hook, "__self__", None), LocalGradWatch)
+    """Whether ``hook`` is a strategy's own (a ``LocalGradWatch``'s, live or not), not a user's."""
+    return isinstance(hook, WeakHook) and issubclass(hook.owner_type, LocalGradWatch)
 
 
 def _callers_level() -> int:

@@ -7,7 +7,8 @@ layer], ``generic.py``) or per parameter read outside its layer ([Note: outside 
 module computes, freed (resized to 0 bytes) after.
 """
 
-from typing import List, Optional, Tuple
+import copy
+from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 from torch import nn
@@ -33,6 +34,17 @@ class FullParam:
         self.slot = slot
         self.holders: List[Tuple[nn.Module, str]] = []
         self.full: Optional[nn.Parameter] = None
+
+    def __deepcopy__(self, memo: Dict[int, Any]) -> "FullParam":
+        """A copy (of a wrapped model: [Note: copying a wrapped model]) makes its own ``full``
+        at its first fill: the original's storage is freed between uses, and a tensor whose
+        storage holds 0 bytes cannot be copied."""
+        new = FullParam.__new__(FullParam)
+        memo[id(self)] = new  # first: the owner's copy reaches this object again
+        new.name, new.slot, new.full = self.name, self.slot, None
+        new.owner = copy.deepcopy(self.owner, memo)
+        new.holders = copy.deepcopy(self.holders, memo)
+        return new
 
     @property
     def local(self) -> nn.Parameter:

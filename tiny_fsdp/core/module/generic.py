@@ -48,7 +48,6 @@ to do. Parameters read outside their layer's forward are ``outside_reads.py``'s.
 """
 
 import dataclasses
-import weakref
 from collections.abc import Mapping
 from typing import Any, Dict, Iterator, List, Optional, Tuple
 
@@ -58,10 +57,14 @@ from torch import nn
 from tiny_fsdp.core.module.full_param import FullParam
 from tiny_fsdp.core.module.handler import LOCAL_HANDLER, TrainingPhase
 from tiny_fsdp.core.module.layer import strategy_code, swap_in, swap_out
+from tiny_fsdp.core.utils.weak_hooks import WeakHook
 
 FORWARD, BACKWARD = TrainingPhase.FORWARD, TrainingPhase.BACKWARD
 
-_LAYERS: "weakref.WeakKeyDictionary[nn.Module, GenericLayer]" = weakref.WeakKeyDictionary()
+# A module's GenericLayer is its attribute: the layer holds the module (hooks, holders), a cycle
+# the collector frees with the model, where a global weak-keyed map, whose values would hold
+# their keys, kept every wrapped module alive for good. A deep copy of the module copies it.
+_LAYER = "_tiny_fsdp_generic_layer"
 
 
 class UnsupportedModuleError(TypeError):
@@ -118,7 +121,8 @@ class GenericLayer:
                 try:
                     for param in members:
                         if param.fill(fetched[param.slot]) and param.full.requires_grad:
-                            hook = self._grad_hook(self.params.index(param))
+                            # [Note: tensor hooks hold their owner weakly]
+                            hook = WeakHook(self._take_grad, self.params.index(param))
                             param.full.register_post_accumulate_grad_hook(hook)
                 finally:
                     del fetched
@@ -183,23 +187,21 @@ class GenericLayer:
         self.held = True
         self.unshard(BACKWARD)
 
-    def _grad_hook(self, index: int):
-        def hook(full: torch.Tensor) -> None:
-            grad, full.grad = full.grad, None
-            if grad is None:
-                return
-            if grad.is_sparse:  # reduced dense ([Note: sparse gradients])
-                grad = grad.to_dense()
-            previous = self._pending.get(index)
-            self._pending[index] = grad if previous is None else previous + grad
-            trainable = [p for p in self.params if p.local.requires_grad]
-            if len(self._pending) == len(trainable):
-                with strategy_code():
-                    self._reduce()
-                if len(trainable) == len(self.params):  # no frozen tensor still in use
-                    self.reshard()
-
-        return hook
+    def _take_grad(self, index: int, full: torch.Tensor) -> None:
+        """Post-accumulate-grad hook of parameter ``index``'s full tensor."""
+        grad, full.grad = full.grad, None
+        if grad is None:
+            return
+        if grad.is_sparse:  # reduced dense ([Note: sparse gradients])
+            grad = grad.to_dense()
+        previous = self._pending.get(index)
+        self._pending[index] = grad if previous is None else previous + grad
+        trainable = [p for p in self.params if p.local.requires_grad]
+        if len(self._pending) == len(trainable):
+            with strategy_code():
+                self._reduce()
+            if len(trainable) == len(self.params):  # no frozen tensor still in use
+                self.reshard()
 
     def _finish_backward(self) -> None:
         self._queued = False
@@ -271,15 +273,15 @@ def output_tensors(value: Any, depth: int = 0) -> Iterator[torch.Tensor]:
 
 def generic_layer(module: nn.Module) -> Optional[GenericLayer]:
     """The ``GenericLayer`` attached to ``module``, or None."""
-    return _LAYERS.get(module)
+    return module.__dict__.get(_LAYER)
 
 
 def reader_layer(module: nn.Module) -> GenericLayer:
     """The module's ``GenericLayer``, attached (with no parameter yet) if it has none: a module
     reading other layers' parameters in its forward ([Note: outside reads])."""
-    layer = _LAYERS.get(module)
+    layer = generic_layer(module)
     if layer is None:
-        layer = _LAYERS[module] = GenericLayer(module)
+        layer = module.__dict__[_LAYER] = GenericLayer(module)
     return layer
 
 
@@ -292,7 +294,7 @@ def own_param_names(module: nn.Module) -> Tuple[str, ...]:
 def attach_generic(module: nn.Module) -> Optional[GenericLayer]:
     """Make ``module`` a layer on the generic path ([Note: generic layer]); None if it holds no
     parameter of its own. Idempotent."""
-    layer = _LAYERS.get(module)
+    layer = generic_layer(module)
     if layer is not None:
         return layer
     names = own_param_names(module)
@@ -300,7 +302,7 @@ def attach_generic(module: nn.Module) -> Optional[GenericLayer]:
         return None
     module.param_names = names
     module.param_handler = LOCAL_HANDLER
-    layer = _LAYERS[module] = GenericLayer(module)
+    layer = module.__dict__[_LAYER] = GenericLayer(module)
     for slot, name in enumerate(names):
         param = layer.add_param(name, module, slot)
         param.holders = [
