@@ -61,7 +61,7 @@ from torch import nn
 
 from tiny_fsdp.core.module.generic import output_tensors
 from tiny_fsdp.core.sparse_grads import densify_grad
-from tiny_fsdp.core.utils.weak_hooks import WeakHook, remove_when_gone
+from tiny_fsdp.core.utils.weak_hooks import remove_when_gone, weak_hook
 
 
 class GradStore(Protocol):
@@ -128,7 +128,7 @@ class BucketedBackward:
         self._reset()
         engine = weakref.ref(self)
         self._hook_handles = [  # [Note: tensor hooks hold their owner weakly]
-            p.register_post_accumulate_grad_hook(WeakHook(self._on_grad_ready, index))
+            p.register_post_accumulate_grad_hook(weak_hook(self._on_grad_ready, index))
             for index, p in enumerate(store.params)
         ]
         self._hook_handles.append(owner.register_forward_pre_hook(_drop_stale_state_hook(engine)))

@@ -31,7 +31,7 @@ from torch import nn
 from torch.utils.hooks import RemovableHandle
 
 import tiny_fsdp
-from tiny_fsdp.core.utils.weak_hooks import WeakHook, remove_when_gone
+from tiny_fsdp.core.utils.weak_hooks import remove_when_gone, weak_hook
 
 Stamp = Optional[Tuple[int, int]]  # a .grad's object and version, or None
 
@@ -69,7 +69,7 @@ class LocalGradWatch:
     def _hook_trainable(self) -> None:
         for param in [p for p in self._frozen if p.requires_grad]:
             # [Note: tensor hooks hold their owner weakly]
-            hook = WeakHook(self._accumulated)
+            hook = weak_hook(self._accumulated)
             self._handles.append(param.register_post_accumulate_grad_hook(hook))
             self._params.append(param)
         self._frozen = [p for p in self._frozen if not p.requires_grad]
@@ -85,7 +85,7 @@ class LocalGradWatch:
 
 def is_loss_read_hook(hook: Callable[..., Any]) -> bool:
     """Whether ``hook`` is a strategy's own (a ``LocalGradWatch``'s, live or not), not a user's."""
-    return isinstance(hook, WeakHook) and issubclass(hook.owner_type, LocalGradWatch)
+    return issubclass(getattr(hook, "owner_type", type(None)), LocalGradWatch)
 
 
 def _callers_level() -> int:

@@ -57,7 +57,7 @@ from torch import nn
 from tiny_fsdp.core.module.full_param import FullParam
 from tiny_fsdp.core.module.handler import LOCAL_HANDLER, TrainingPhase
 from tiny_fsdp.core.module.layer import strategy_code, swap_in, swap_out
-from tiny_fsdp.core.utils.weak_hooks import WeakHook
+from tiny_fsdp.core.utils.weak_hooks import weak_hook
 
 FORWARD, BACKWARD = TrainingPhase.FORWARD, TrainingPhase.BACKWARD
 
@@ -122,7 +122,7 @@ class GenericLayer:
                     for param in members:
                         if param.fill(fetched[param.slot]) and param.full.requires_grad:
                             # [Note: tensor hooks hold their owner weakly]
-                            hook = WeakHook(self._take_grad, self.params.index(param))
+                            hook = weak_hook(self._take_grad, self.params.index(param))
                             param.full.register_post_accumulate_grad_hook(hook)
                 finally:
                     del fetched
