@@ -134,6 +134,8 @@ def _worker(rank: int, world_size: int) -> List[str]:
         assert max(abs(a - b) for a, b in zip(losses, distilled)) <= ATOL, f"{name}: distilled"
         # A copy made after steps trains as the original does (its own hooks and buckets).
         copied = copy.deepcopy(model)
+        hooks = [(len(m._forward_pre_hooks), len(m._forward_hooks)) for m in (model, copied)]
+        assert hooks[0] == hooks[1], f"{name}: the copy kept the original's hooks: {hooks}"
         assert _train_on(copied, rank) == _train_on(model, rank), f"{name}: the copy trains apart"
         state, copied_state = model.state_dict(), copied.state_dict()
         assert all(torch.equal(state[k], copied_state[k]) for k in state), name

@@ -214,7 +214,9 @@ class DDP(ReplicatedWrapper, Joinable):
         self._backward = BucketedBackward(self, store)
 
     def after_copy(self) -> None:
-        self._backward = None  # the copied engine hooks the original's parameters
+        if self._backward is not None:  # its hooks on this copy call the original's engine
+            self._backward.remove()
+        self._backward = None
         self._build_buckets()
         if self._cast is not None:  # the copied hooks act for the original wrapper only
             self.install_forward_casts()

@@ -175,6 +175,7 @@ class ZeroWrapper(ReplicatedWrapper):
     def after_copy(self) -> None:
         self._index = {id(p): i for i, p in enumerate(self.params)}  # the copies' ids
         self._optimizers = weakref.WeakSet()  # an optimizer binds to one model
+        self._backward.remove()  # the copied engine's hooks on this copy call the original's
         self._backward = BucketedBackward(self, self._grads)  # hooks on the copies
 
     def take_trainable(self, names: List[str]) -> None:
