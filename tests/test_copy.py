@@ -21,24 +21,12 @@ from torch import nn
 from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
 
 from tests.harness import run_distributed
-from tests.zoo import TinyBlocksLM
+from tests.zoo import OwnRMSNorm, TinyBlocksLM
 
 VOCAB, STEPS = 20, 3
 # SGD and the same kernels: the strategies differ only in the summation order of the gradient
 # average (measured: 0 on 2 ranks).
 ATOL = 1e-6
-
-
-class _Gain(nn.Module):
-    """A learned gain, a raw parameter of its own: a module on the generic path ([Note: generic
-    layer]), whose full tensors a copy makes anew."""
-
-    def __init__(self, width: int) -> None:
-        super().__init__()
-        self.weight = nn.Parameter(torch.linspace(0.5, 1.5, width))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x * self.weight
 
 
 def _outputs(model: nn.Module, optimizer, to_copy: nn.Module, rank: int) -> Dict[str, torch.Tensor]:
@@ -111,7 +99,8 @@ def _worker(rank: int, world_size: int) -> List[str]:
 
     torch.manual_seed(0)
     net = TinyBlocksLM(VOCAB)
-    net.out = nn.Sequential(_Gain(8), net.out)  # (copied after a step it crashed the process)
+    # A module on the generic path ([Note: generic layer]): copied after a step it crashed.
+    net.out = nn.Sequential(OwnRMSNorm(8), net.out)
     reference = DistributedDataParallel(copy.deepcopy(net))
     optimizer = torch.optim.SGD(reference.parameters(), lr=0.5)
     expected = _outputs(reference, optimizer, reference.module, rank)

@@ -19,6 +19,7 @@ from example.model import GPT2Model, GPTConfig, GPTConfigs
 from tests.build import WRAPPERS, adamw, build, zero3_table
 from tests.harness import run_distributed
 from tests.parity import PARAM_ATOL, check_parity, make_model
+from tests.zoo import OwnRMSNorm
 from tiny_fsdp.core.module import UnsupportedModuleError
 
 WORLD = 2
@@ -626,18 +627,6 @@ def test_zero3_tables_cannot_split_a_tied_weight() -> None:
     assert "transformer.wte.weight" in table and "lm_head.weight" not in table
 
 
-class _Gain(nn.Module):
-    """A raw parameter of its own (the generic path: [Note: generic layer]), then a Linear."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.gain = nn.Parameter(torch.ones(4))
-        self.lin = nn.Linear(4, 4)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.lin(x * self.gain)
-
-
 def _drop_wrappers(rank: int, world_size: int) -> Dict[str, Tuple[List[str], List[str]]]:
     """Every strategy's wrapper of a model with a registered layer and a module on the generic
     path, trained one step, deep-copied (an EMA) and dropped with its copy. Per strategy: what
@@ -654,7 +643,8 @@ def _drop_wrappers(rank: int, world_size: int) -> Dict[str, Tuple[List[str], Lis
         for strategy in STRATEGIES:
             reported: List[str] = []
             sys.unraisablehook = lambda u, out=reported: out.append(repr(u.exc_value))
-            wrapped, optimizer = build(strategy, _Gain(), adamw(lr=1e-3))
+            model = nn.Sequential(OwnRMSNorm(4), nn.Linear(4, 4))  # generic path, registered layer
+            wrapped, optimizer = build(strategy, model, adamw(lr=1e-3))
             wrapped(torch.ones(2, 4)).sum().backward()
             optimizer.step()
             refs = []
@@ -662,7 +652,7 @@ def _drop_wrappers(rank: int, world_size: int) -> Dict[str, Tuple[List[str], Lis
                 refs.append((which + "wrapper", weakref.ref(kept)))
                 refs += [(which + n, weakref.ref(p)) for n, p in kept.named_parameters()]
                 refs += [(which + n, weakref.ref(m)) for n, m in kept.named_modules()]
-            del wrapped, optimizer, kept
+            del model, wrapped, optimizer, kept
             gc.collect()
             outcome[strategy] = (reported, [name for name, ref in refs if ref() is not None])
     finally:

@@ -54,7 +54,7 @@ set after wrapping] in ``replicated.py``).
 """
 
 import weakref
-from typing import Any, Callable, Collection, List, Optional, Protocol, Sequence
+from typing import Any, Collection, List, Optional, Protocol, Sequence
 
 import torch
 from torch import nn
@@ -126,13 +126,13 @@ class BucketedBackward:
                 self._bucket_of[index] = b
         self._sizes = [len(members) for members in store.bucket_members]
         self._reset()
-        engine = weakref.ref(self)
         self._hook_handles = [  # [Note: tensor hooks hold their owner weakly]
             p.register_post_accumulate_grad_hook(weak_hook(self._on_grad_ready, index))
             for index, p in enumerate(store.params)
         ]
-        self._hook_handles.append(owner.register_forward_pre_hook(_drop_stale_state_hook(engine)))
-        self._hook_handles.append(owner.register_forward_hook(_watch_output_hook(engine)))
+        # Hooks on the wrapper hold the engine: the collector sees through a module's hooks.
+        self._hook_handles.append(owner.register_forward_pre_hook(self._drop_stale_state))
+        self._hook_handles.append(owner.register_forward_hook(self._watch_output))
         remove_when_gone(self, self._hook_handles)
 
     def remove(self) -> None:
@@ -152,7 +152,7 @@ class BucketedBackward:
         self._in_flight: List[int] = []  # launched asynchronously, not finished yet
         self.store.reset()
 
-    def _drop_stale_state(self) -> None:
+    def _drop_stale_state(self, module: nn.Module, args: Any) -> None:
         if self._active or self._outer_end_queued:  # a backward raised before its end ran
             self._reset()
 
@@ -201,7 +201,7 @@ class BucketedBackward:
         if index not in self.store.sparse_indices:
             densify_grad(param)
 
-    def _watch_output(self, output: Any) -> None:
+    def _watch_output(self, module: nn.Module, args: Any, output: Any) -> None:
         needing = [t for t in output_tensors(output) if t.requires_grad]
         if needing and torch.is_grad_enabled():
             register = torch.autograd.graph.register_multi_grad_hook
@@ -282,21 +282,3 @@ def divide_into(out: torch.Tensor, grad: torch.Tensor, divisor: int, in_place: b
         out.copy_(grad)
     else:
         torch.div(grad, divisor, out=out)  # copy and divide in one pass
-
-
-def _watch_output_hook(engine: "weakref.ref[BucketedBackward]") -> Callable[..., None]:
-    def hook(module: nn.Module, args: Any, output: Any) -> None:
-        live = engine()
-        if live is not None:
-            live._watch_output(output)
-
-    return hook
-
-
-def _drop_stale_state_hook(engine: "weakref.ref[BucketedBackward]") -> Callable[..., None]:
-    def hook(module: nn.Module, args: Any) -> None:
-        live = engine()
-        if live is not None:
-            live._drop_stale_state()
-
-    return hook
