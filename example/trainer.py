@@ -13,7 +13,6 @@ lines, never carriage-return frames.
 import argparse
 import contextlib
 import math
-import os
 import resource
 import sys
 import time
@@ -189,6 +188,7 @@ def main(strategy: str, argv: Optional[List[str]] = None) -> List[float]:
     if strategy not in STRATEGIES:
         raise ValueError(f"unknown strategy {strategy!r}; choose one of {sorted(STRATEGIES)}")
     args = build_arg_parser(strategy).parse_args(argv)
+    made_group = not dist.is_initialized()  # left at the end if we make it, kept if given
     env = setup(strategy, args)
     args.precision = resolve_precision(args.precision, env.device)
     master = env.is_master
@@ -278,10 +278,11 @@ def main(strategy: str, argv: Optional[List[str]] = None) -> List[float]:
     written = tracer.finish()  # every rank: rank 0 gathers the events and writes the files
     if written:
         print("trace written: " + ", ".join(written))
-    if env.world_size > 1 and dist.is_initialized() and "RANK" in os.environ:
+    if made_group and dist.is_initialized():
         # Leave together; the abort a gloo rank could meet at exit is handled where every
         # collective is issued ([Note: leaving after collectives], tiny_fsdp/core/comm.py).
-        dist.barrier()
+        if env.world_size > 1:
+            dist.barrier()
         dist.destroy_process_group()
     return losses
 

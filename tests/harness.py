@@ -203,8 +203,8 @@ def run_script_ranks(
 @contextlib.contextmanager
 def as_a_launched_job() -> Iterator[None]:
     """Inside ``fn``: run code written for a torchrun job (the example trainer sets the
-    collective timeout and destroys the default process group at its end) on a harness rank,
-    leaving the pool's process group as it was."""
+    collective timeout; a script may destroy the default process group at its end) on a
+    harness rank, leaving the pool's process group as it was."""
     import torch.distributed as dist
 
     from tiny_fsdp.core.utils.dist import get_collective_timeout, set_collective_timeout

@@ -122,8 +122,12 @@ def test_precision_defaults_to_bf16_on_a_gpu_with_bf16_and_to_fp32_elsewhere(mon
 
 
 def _trainer_on_the_ranks(rank: int, world_size: int, strategy: str, argv: List[str]) -> list:
-    with as_a_launched_job():
-        return trainer.main(strategy, argv)
+    destroyed = []
+    with as_a_launched_job():  # the pool's group stays whatever the trainer does
+        torch.distributed.destroy_process_group = lambda *args, **kw: destroyed.append(args)
+        losses = trainer.main(strategy, argv)
+    assert not destroyed, "the trainer destroyed a process group it did not make"
+    return losses
 
 
 @pytest.mark.parametrize("strategy", ["ddp", "zero3"])
@@ -155,6 +159,16 @@ def test_the_trainer_saves_at_the_end_and_resumes_bit_for_bit(strategy, sharded,
     path = str(tmp_path / "ckpt")
     for whole, first, rest in run_distributed(_save_then_resume, 2, strategy, argv, path):
         assert len(whole) == 3 and first == whole[:2] and rest == whole[2:], (whole, first, rest)
+
+
+def test_the_trainer_leaves_the_process_group_it_made(common, monkeypatch):
+    """Launched alone (torchrun with one process) it destroys the group it made at its end
+    (NCCL warns at exit of one left behind); a group made before it (a harness rank's) stays
+    the caller's: ``_trainer_on_the_ranks``."""
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")  # set here: restored after the test
+    monkeypatch.setenv("MASTER_PORT", str(_free_port()))
+    trainer.main("fsdp", [*common, "--steps", "1", "--batch_size", "2"])
+    assert not torch.distributed.is_initialized()
 
 
 BF16 = "--precision bf16 --grad_ckpt"

@@ -7,9 +7,10 @@ the two ranks' chunk ``rank`` (in place too), in fp32 and bf16, with several red
 flight at once (they pair up in issue order) and when two threads wait for one (a traced
 step's waiter thread and the caller): a gloo send or receive waited for twice would wait for a
 message that never comes. On 3 ranks (reduces) the same sum up to the rounding of another order
-of its additions. A rank that fails while the others wait in one makes them raise at the
-collective timeout: ``tests/test_failure.py`` (FSDP on 2 ranks, failing in backward with
-reductions in flight).
+of its additions, and the future of a reduce-scatter made of reduces completes when they have
+(a traced step on CUDA marks a collective's end by it). A rank that fails while the others
+wait in one makes them raise at the collective timeout: ``tests/test_failure.py`` (FSDP on 2
+ranks, failing in backward with reductions in flight).
 
 ``comm.reduce`` (SUM) on 2 ranks is one send and one receive: the destination must get, bit for
 bit, a_0 + a_1 in the ``output`` it names or in place, to either rank, with reduces and
@@ -61,6 +62,8 @@ def _reduce_scatters_in_flight(rank: int, world_size: int) -> None:
                 nbytes = comm.reduce_scatter_receive_bytes(o, x)
                 assert nbytes == (CHUNK * o.element_size() if receives else 0), (in_place, nbytes)
             works = [comm.reduce_scatter(o, x, async_op=True) for o, x in zip(outputs, inputs)]
+            if world_size > 2:  # reduces: their future completes (a trace on CUDA listens)
+                torch.futures.wait_all([work.get_future() for work in works])
             for work in reversed(works):  # waited for in any order: they travel in issue order
                 work.wait()
             for output, (want, magnitude) in zip(outputs, expected):

@@ -102,6 +102,17 @@ class GlooWorks:
     def is_completed(self) -> bool:
         return self._done or all(work.is_completed() for work in list(self.works))
 
+    def get_future(self) -> torch.futures.Future:
+        """A future that completes when the operations have; the sum or copy that ``wait`` then
+        runs is not in it, so it tells when the communication ended, not that ``output`` holds
+        the result (the trace's use: [Note: trace recorder]). One operation (every reduction of
+        CUDA tensors: one all-reduce) gives its own future, whose callbacks run on streams that
+        wait for it. Gloo's sends and receives have none: ``RuntimeError``, as theirs."""
+        futures = [work.get_future() for work in self.works]
+        if len(futures) == 1:
+            return futures[0]
+        return torch.futures.collect_all(futures)
+
     def wait(self) -> bool:
         with self._lock:
             if self._error is not None:
