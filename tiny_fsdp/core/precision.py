@@ -35,14 +35,34 @@ default, ``param_dtype=None``, computes in the parameters' own dtype: no policy.
 Single device: ``apply_mixed_precision(model, policy)`` gives every layer a
 ``MixedPrecisionHandler``: the same casts without communication, i.e. the reference that the
 distributed bf16 runs are compared with.
+
+[Note: batch norm under a policy]
+torch's ``batch_norm`` takes a low-precision input with weight, bias and running statistics all
+in fp32 (the mixed-type kernel ``torch.autocast`` uses) or all in the input's dtype, but not
+``param_dtype`` weights next to fp32 statistics, which is what a policy hands a BatchNorm: its
+parameters are cast, its buffers are not (running averages kept in fp32, as they should be).
+FSDP2 fails there ("Expected running_mean to have type BFloat16 but got Float"; FSDP1 kept
+BatchNorm out of its policy). Here, while a ``_BatchNorm`` module (``BatchNorm1d/2d/3d``,
+``SyncBatchNorm``, their subclasses) runs under a low-precision policy, its ``F.batch_norm``
+call gets weight and bias in its running statistics' dtype (``BatchNormStatsDtype``, a torch
+function mode entered by a forward pre-hook and left by a forward hook that also runs when the
+forward raises): the layer computes as under ``torch.autocast``, from the ``param_dtype``
+parameters, and its gradients flow back through that cast to them as every layer's do. Its
+output keeps the input's dtype. Nothing changes where the dtypes already agree (no policy, a
+copy of the model). ``SyncBatchNorm``'s multi-rank training path calls other kernels and is not
+covered.
 """
 
+import threading
 import weakref
 from dataclasses import dataclass
-from typing import Any, Callable, Optional, Tuple
+from typing import Any, Callable, List, Optional, Tuple
 
 import torch
+import torch.nn.functional as F
 from torch import nn
+from torch.nn.modules.batchnorm import _BatchNorm
+from torch.overrides import TorchFunctionMode
 
 from tiny_fsdp.core.module.base import CallbackModule
 from tiny_fsdp.core.module.handler import ParamHandler, Params, TrainingPhase
@@ -234,7 +254,59 @@ def register_forward_casts(
     if policy is not None and policy.output_dtype is not None:
         cast_out = ForwardCast(policy.output_dtype, False, owner)
         handles.append(model.register_forward_hook(cast_out))
+    if policy is not None and policy.param_dtype in _LOW_PRECISION:
+        stats_dtype = BatchNormStatsDtype()  # [Note: batch norm under a policy]
+        for module in model.modules():
+            if isinstance(module, _BatchNorm):
+                handles.append(module.register_forward_pre_hook(stats_dtype.enter))
+                handles.append(module.register_forward_hook(stats_dtype.leave, always_call=True))
     setattr(model, _CAST_HOOKS_ATTR, handles)
+
+
+class BatchNormStatsDtype(HookObject):
+    """The pre-hook (``enter``) and hook (``leave``) of a BatchNorm under a low-precision
+    policy: in between, ``F.batch_norm`` gets weight and bias in the running statistics' dtype
+    ([Note: batch norm under a policy])."""
+
+    def __init__(self) -> None:
+        self._local = threading.local()  # per thread: a backward's recompute has its own
+
+    def enter(self, module: nn.Module, args: tuple) -> None:
+        mode = _StatsDtypeMode()
+        mode.__enter__()
+        self._modes().append(mode)
+
+    def leave(self, module: nn.Module, args: tuple, output: Any) -> None:
+        modes = self._modes()
+        if modes:  # entered by ``enter`` (not if a pre-hook before it raised)
+            modes.pop().__exit__(None, None, None)
+
+    def _modes(self) -> List[TorchFunctionMode]:
+        if not hasattr(self._local, "modes"):
+            self._local.modes = []
+        return self._local.modes
+
+    def __reduce__(self) -> Any:  # a thread-local does not pickle: a pickled model gets a new one
+        return (BatchNormStatsDtype, ())
+
+
+class _StatsDtypeMode(TorchFunctionMode):
+    def __torch_function__(self, func, types, args=(), kwargs=None):  # type: ignore[override]
+        kwargs = dict(kwargs or {})
+        if func is F.batch_norm:
+            args = list(args)
+            running_mean = args[1] if len(args) > 1 else kwargs.get("running_mean")
+            if running_mean is not None:
+                for index, name in ((3, "weight"), (4, "bias")):
+                    if index < len(args):
+                        args[index] = _as(args[index], running_mean.dtype)
+                    elif name in kwargs:
+                        kwargs[name] = _as(kwargs[name], running_mean.dtype)
+        return func(*args, **kwargs)
+
+
+def _as(tensor: Optional[torch.Tensor], dtype: torch.dtype) -> Optional[torch.Tensor]:
+    return tensor if tensor is None or tensor.dtype == dtype else tensor.to(dtype)
 
 
 class ForwardCast(HookObject):

@@ -35,9 +35,10 @@ model once DDP is dropped, is the plain fp32 model; a copy of DDP hooks its own.
 second forward before the backward reuses the copies. Between a forward with gradients and its
 backward the parameters hold the copies, as in torch's DDP: do not step the optimizer there.
 Frozen parameters compute in ``param_dtype`` too. Buffers keep their dtype: a module that mixes
-them with ``param_dtype`` activations must cast them itself (on CPU, BatchNorm's fp32 running
-statistics do not mix with bf16 weights). Memory: one ``param_dtype`` copy of the parameters
-from forward to the end of backward; nothing is kept between steps.
+them with ``param_dtype`` activations must cast them itself, except BatchNorm, whose fp32 running
+statistics get its weight and bias in their dtype ([Note: batch norm under a policy]).
+Memory: one ``param_dtype`` copy of the parameters from forward to the end of backward; nothing
+is kept between steps.
 """
 
 from typing import Dict, List, Optional, Sequence, Tuple
