@@ -298,15 +298,11 @@ class _StatsDtypeMode(TorchFunctionMode):
             running_mean = args[1] if len(args) > 1 else kwargs.get("running_mean")
             if running_mean is not None:
                 for index, name in ((3, "weight"), (4, "bias")):
-                    if index < len(args):
-                        args[index] = _as(args[index], running_mean.dtype)
-                    elif name in kwargs:
-                        kwargs[name] = _as(kwargs[name], running_mean.dtype)
+                    if index < len(args) and args[index] is not None:
+                        args[index] = args[index].to(running_mean.dtype)  # itself if of it
+                    elif kwargs.get(name) is not None:
+                        kwargs[name] = kwargs[name].to(running_mean.dtype)
         return func(*args, **kwargs)
-
-
-def _as(tensor: Optional[torch.Tensor], dtype: torch.dtype) -> Optional[torch.Tensor]:
-    return tensor if tensor is None or tensor.dtype == dtype else tensor.to(dtype)
 
 
 class ForwardCast(HookObject):
