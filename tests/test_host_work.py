@@ -1,7 +1,7 @@
-"""Host work FSDP and ZeRO-3 do not do: per-tensor views in an unshard, a call per tensor into
-the outside-read watch, a division by one (nor do DDP and ZeRO-1/2); and their unshard buffers,
-made once, after an unshard that raised. DDP and ZeRO-1/2 place a gradient with at most one
-view op.
+"""Host work FSDP and ZeRO-3 do not do: per-tensor views in an unshard, a cast copy per tensor
+on its way into the gather buffer under a policy, a call per tensor into the outside-read watch,
+a division by one (nor do DDP and ZeRO-1/2); and their unshard buffers, made once, after an
+unshard that raised. DDP and ZeRO-1/2 place a gradient with at most one view op.
 
 An unshard's host work does not grow with the number of tensors it gathers ([Note: buffers
 made once], ``core/utils/storage.py``): FSDP's and ZeRO-3's units make their buffers and every
@@ -11,9 +11,10 @@ dispatched op is host time during which the device may wait.
 """
 
 from collections import OrderedDict
-from typing import Any, Dict, List, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
 import torch
+from torch.profiler import ProfilerActivity, profile
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from tests.harness import run_distributed
@@ -21,8 +22,9 @@ from tests.parity import global_batch, lm_loss, local_slice, make_model
 from tiny_fsdp.core.ddp import DDP
 from tiny_fsdp.core.fsdp import FSDP
 from tiny_fsdp.core.module.handler import TrainingPhase
+from tiny_fsdp.core.precision import MixedPrecisionPolicy
 from tiny_fsdp.core.utils.casts import cast_all
-from tiny_fsdp.core.utils.storage import holds_memory
+from tiny_fsdp.core.utils.storage import holds_memory, packed_views
 from tiny_fsdp.core.zero3 import Zero3, zero3_partition_tensors
 
 
@@ -48,11 +50,14 @@ def _unshard_ops(unit: Any, gathers_all: bool) -> Tuple[int, List[str]]:
     return sum(len(group) for group in unit.groups), counter.ops
 
 
-def _wrapped(world_size: int) -> Dict[str, Any]:
-    """gpt2_tiny under FSDP and under ZeRO-3, default arguments."""
+def _wrapped(world_size: int, policy: Optional[MixedPrecisionPolicy] = None) -> Dict[str, Any]:
+    """gpt2_tiny under FSDP and under ZeRO-3, default arguments but ``policy``."""
     model = make_model(0)
     parts, _ = zero3_partition_tensors(OrderedDict(model.named_parameters()), ["cpu"] * world_size)
-    return {"fsdp": FSDP(make_model(0)), "zero3": Zero3(model, parts)}
+    return {
+        "fsdp": FSDP(make_model(0), mixed_precision=policy),
+        "zero3": Zero3(model, parts, mixed_precision=policy),
+    }
 
 
 def _worker(rank: int, world_size: int) -> Dict[str, List[Tuple[int, int, int, List[str]]]]:
@@ -78,6 +83,35 @@ def test_an_unshard_dispatches_a_few_ops_per_collective_not_per_tensor() -> None
                 # Per group: the copy in, the collective (on gloo a broadcast per rank, each
                 # from a view of the output: [Note: collectives on gloo]) and the copy-out.
                 assert ops <= groups * (4 + 2 * 2), (name, tensors, groups, names)
+
+
+_ALLOCATIONS = ("aten::empty", "aten::empty_like", "aten::empty_strided")
+
+
+def _unshard_allocations(rank: int, world_size: int) -> Dict[str, List[Tuple[int, int, int]]]:
+    """Per strategy under a bf16 policy and unit: (tensors, groups, tensors allocated by ATen,
+    inside kernels too, in its second unshard)."""
+    seen: Dict[str, List[Tuple[int, int, int]]] = {}
+    for name, wrapped in _wrapped(world_size, MixedPrecisionPolicy(torch.bfloat16)).items():
+        seen[name] = []
+        for unit in wrapped.units:
+            _unshard_ops(unit, name == "fsdp")  # the first makes the buffers
+            with profile(activities=[ProfilerActivity.CPU]) as prof:
+                tensors, _ = _unshard_ops(unit, name == "fsdp")
+            allocated = sum(event.name in _ALLOCATIONS for event in prof.events())
+            seen[name].append((tensors, len(unit.groups), allocated))
+    return seen
+
+
+def test_an_unshard_under_a_policy_casts_straight_into_its_buffer() -> None:
+    # The owner's (ZeRO-3) or this rank's (FSDP) tensors are cast into the buffer that travels,
+    # in one multi-tensor copy. torch.cat(out=) into a buffer of another dtype first made a
+    # cast copy of every input (12 allocations and copies a block of gpt2_tiny; on a GPU a
+    # kernel each). A buffer is at most two allocations per group (the CPU block cache).
+    for per_rank in run_distributed(_unshard_allocations, 2):
+        for name, units in per_rank.items():
+            assert max(tensors for tensors, _, _ in units) >= 12, (name, units)
+            assert all(allocated <= 2 * groups for _, groups, allocated in units), (name, units)
 
 
 def _copy_outs(rank: int, world_size: int) -> List[Tuple[int, int, bool]]:
@@ -478,3 +512,17 @@ def test_casts_joined_train_to_the_same_bits() -> None:
             (alone, alone_params), (joined, joined_params) = runs[False], runs[True]
             assert joined > alone, (name, alone, joined)  # the fused CPU kernel copies too
             assert all(torch.equal(a, b) for a, b in zip(alone_params, joined_params)), name
+
+
+def test_packed_views_are_split_and_view_in_one_op_each() -> None:
+    # The reductions hand each parameter its part of a unit's output as one of these views.
+    flat = torch.arange(40.0)[3:]  # an offset into its storage, as a row of a reduce buffer
+    shapes = [(2, 3), (0, 4), (), (4,), (2, 0, 5), (1, 2, 2)]
+    sizes = [int(torch.Size(shape).numel()) for shape in shapes]
+    expected = [piece.view(shape) for piece, shape in zip(flat[: sum(sizes)].split(sizes), shapes)]
+    with _CountOps() as counter:
+        views = packed_views(flat, shapes)
+    assert len(counter.ops) == len(shapes), counter.ops
+    for view, want in zip(views, expected):
+        assert view.shape == want.shape and view.stride() == want.stride()
+        assert view.data_ptr() == want.data_ptr() and torch.equal(view, want)

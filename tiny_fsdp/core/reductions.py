@@ -117,7 +117,9 @@ class PendingReductions:
         self._all: List[_Reduction] = []  # launched in this backward, in order
         self._in_flight: Deque[_Reduction] = deque()  # launched, not retired
         self._finalize_queued = False
-        self._at_end: List[Callable[[], None]] = []  # run by finalize before it waits
+        # Run by finalize before it waits, in registration order; a dict, since every layer's
+        # backward registers its unit's callback (a hash lookup, not a scan of the list).
+        self._at_end: Dict[Callable[[], None], None] = {}
         # Called last by every finalize: the gradients it delivered into and the device of
         # this backward's reductions (None when it launched none: a no_sync backward).
         self.on_finalized: Optional[
@@ -129,8 +131,7 @@ class PendingReductions:
         """Run ``callback`` (once) when this backward ends, before ``finalize`` delivers; it may
         launch more reductions (a strategy's partly filled buffers)."""
         self._queue_finalize()
-        if callback not in self._at_end:
-            self._at_end.append(callback)
+        self._at_end.setdefault(callback)
 
     def _queue_finalize(self) -> None:
         if not self._finalize_queued:
@@ -188,7 +189,7 @@ class PendingReductions:
     @torch.no_grad()
     def finalize(self) -> None:
         """Wait for every reduction and accumulate the parts into ``.grad`` (end of backward)."""
-        at_end, self._at_end = self._at_end, []
+        at_end, self._at_end = self._at_end, {}
         for callback in at_end:
             callback()
         reductions, self._all = self._all, []
@@ -226,7 +227,7 @@ class PendingReductions:
         for reduction in self._all:
             self.stats.track(-reduction.output_bytes)
         self._all = []
-        self._at_end = []
+        self._at_end = {}
         self._finalize_queued = False
 
     def _retire(self, reduction: _Reduction) -> None:

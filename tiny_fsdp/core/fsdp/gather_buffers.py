@@ -21,6 +21,7 @@ class OutViews(NamedTuple):
 
     grid: torch.Tensor  # (world, numel): row r is rank r's shards, in group order
     own: torch.Tensor  # row ``rank``: this rank's shards go straight in
+    own_parts: List[torch.Tensor]  # ``own`` split per tensor, in group order
     full: Dict[int, torch.Tensor]  # one tensor or one rank: id(param) -> its full tensor
 
 
@@ -71,7 +72,8 @@ def _out_views(
 ) -> OutViews:
     grid = out.view(world, -1)
     full = _padded_views(out, world, ids, infos).full if _laid_out_whole(len(ids), world) else {}
-    return OutViews(grid, grid[rank], full)
+    own = grid[rank]
+    return OutViews(grid, own, list(own.split([info.shard_numel for info in infos])), full)
 
 
 def _laid_out_whole(tensors: int, world: int) -> bool:

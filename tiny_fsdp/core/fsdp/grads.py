@@ -15,6 +15,7 @@ from torch import nn
 from tiny_fsdp.core.fsdp.sharded_param import shard_info
 from tiny_fsdp.core.unit_grads import UnitGradients
 from tiny_fsdp.core.utils import huge_pages
+from tiny_fsdp.core.utils.storage import packed_views
 
 
 class ReduceScatterGrads(UnitGradients):
@@ -56,7 +57,5 @@ class ReduceScatterGrads(UnitGradients):
             reduced = buffer  # place, no second buffer and no copy into it
         else:
             reduced = huge_pages.empty(numel, buffer.dtype, buffer.device)  # this rank's row
-        infos = [shard_info(param) for param in group]
-        pieces = reduced.split([info.shard_numel for info in infos])  # one op, not one a part
-        parts = [(p, piece.view(i.shard_shape)) for p, i, piece in zip(group, infos, pieces)]
-        self.state.launch_reduce_scatter(reduced, buffer, parts, unused)
+        shards = packed_views(reduced, [shard_info(param).shard_shape for param in group])
+        self.state.launch_reduce_scatter(reduced, buffer, list(zip(group, shards)), unused)

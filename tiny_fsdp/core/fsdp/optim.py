@@ -62,8 +62,12 @@ class _ShardUpdates(BaseOptimizer):
 
     def _tensors_to_update(self, group: Dict[str, Any]) -> Iterator[Tuple[Tensor, Tensor, dict]]:
         for param, grad, state in super()._tensors_to_update(group):
-            rows = shard_info(param).valid_rows
-            yield param.detach()[:rows], grad[:rows], state
+            info = shard_info(param)
+            rows = info.valid_rows
+            if rows == info.shard_rows:  # no padding: the whole shard (no slice op per step)
+                yield param.detach(), grad, state
+            else:
+                yield param.detach()[:rows], grad[:rows], state
 
 
 class FSDPAdamW(_ShardUpdates, AdamW):

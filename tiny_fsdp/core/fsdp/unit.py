@@ -108,15 +108,12 @@ class GatherUnit(FullUnit):
                 views = buffers.out.allocate()  # of the output (world * numel,)
                 allocated.append(buffers)
                 self.state.track_gathered(buffers.out.nbytes)
-                # In place: this rank's shards go straight into their chunk of the output, one
-                # copy (and cast: mixed precision casts the shard, not the gathered tensor, so
-                # half the bytes travel) instead of a concatenation and a copy ([Note:
-                # collectives on gloo]).
-                shards = buffers.local.of(group)
-                if len(shards) == 1:
-                    views.own.copy_(shards[0])
-                else:
-                    torch.cat(shards, out=views.own)
+                # In place: this rank's shards go straight into their chunk of the output in
+                # one multi-tensor copy (and cast: mixed precision casts the shard, not the
+                # gathered tensor, so half the bytes travel), no concatenation and second copy
+                # ([Note: collectives on gloo]). Not torch.cat(out=): into another dtype it
+                # first makes a cast copy of each input.
+                torch._foreach_copy_(views.own_parts, buffers.local.of(group))
                 groups = self.state.groups  # [Note: hybrid sharding]
                 launch = _all_gather(buffers.out.buffer, views.own, groups)
                 pending.append((self.state.streams.issue(GATHER, launch, async_op), buffers))

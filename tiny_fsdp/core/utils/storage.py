@@ -37,7 +37,9 @@ view ops, host time that only a GPU's step would feel) and puts back, at ``free`
 made once, which hold no memory; those keep the shapes and the byte count.
 """
 
-from typing import Any, Callable, Dict, Generic, Iterator, List, Optional, Sequence, TypeVar
+import functools
+import math
+from typing import Any, Callable, Dict, Generic, Iterator, List, Optional, Sequence, Tuple, TypeVar
 
 import torch
 
@@ -168,3 +170,25 @@ class LocalViews:
             # A reshape that copied (a non-contiguous tensor) is no view: made each time.
             self._ptrs = ptrs if all(p.is_contiguous() for p in group) else []
         return self._views
+
+
+def packed_views(flat: torch.Tensor, shapes: Sequence[Sequence[int]]) -> List[torch.Tensor]:
+    """Contiguous views of ``flat`` (contiguous) in ``shapes``, back to back from its start: one
+    op each, where ``flat.split(sizes)`` and a ``view`` of each piece cost two (host work per
+    tensor and backward in the reductions' parts)."""
+    views, offset = [], flat.storage_offset()
+    for shape in shapes:
+        shape = tuple(shape)
+        views.append(flat.as_strided(shape, _contiguous_strides(shape), offset))
+        offset += math.prod(shape)
+    return views
+
+
+@functools.lru_cache(maxsize=None)
+def _contiguous_strides(shape: Tuple[int, ...]) -> Tuple[int, ...]:
+    """The strides ``torch.empty(shape)`` has (a size 0 counts as 1, as torch does)."""
+    strides, step = [], 1
+    for size in reversed(shape):
+        strides.append(step)
+        step *= max(size, 1)
+    return tuple(reversed(strides))

@@ -15,6 +15,7 @@ from torch import nn
 from tiny_fsdp.core import comm
 from tiny_fsdp.core.unit_grads import UnitGradients
 from tiny_fsdp.core.utils import huge_pages
+from tiny_fsdp.core.utils.storage import packed_views
 from tiny_fsdp.core.zero3.runtime import ATTR, owner_and_dtype
 
 
@@ -58,6 +59,5 @@ class ReduceToOwnerGrads(UnitGradients):
                 # buffer and the embedding's gradient), reserved through the forward's peak.
                 output = huge_pages.empty(buffer.numel(), buffer.dtype, buffer.device, reuse=False)
             shapes = [getattr(param, ATTR).shape for param in group]
-            pieces = output.split([shape.numel() for shape in shapes])  # one op, not one a part
-            parts = [(p, piece.view(s)) for p, s, piece in zip(group, shapes, pieces)]
+            parts = list(zip(group, packed_views(output, shapes)))
         self.state.launch_reduce(buffer, owner, parts, unused, output)

@@ -104,8 +104,8 @@ class BroadcastUnit(FullUnit):
                 flat = made.memory.buffer
                 rt.stats.add(flat)
                 buffers.append(made)
-                if own:
-                    torch.cat(made.local.of(group), out=flat)
+                if own:  # one multi-tensor copy (and cast) into the full tensors' views
+                    torch._foreach_copy_(list(views.values()), made.own.of(group))
                 if not own or cast:
                     full.update(views)
                 if rt.world_size > 1:
