@@ -176,12 +176,18 @@ def packed_views(flat: torch.Tensor, shapes: Sequence[Sequence[int]]) -> List[to
     """Contiguous views of ``flat`` (contiguous) in ``shapes``, back to back from its start: one
     op each, where ``flat.split(sizes)`` and a ``view`` of each piece cost two (host work per
     tensor and backward in the reductions' parts)."""
-    views, offset = [], flat.storage_offset()
+    views, offset = [], 0
     for shape in shapes:
-        shape = tuple(shape)
-        views.append(flat.as_strided(shape, _contiguous_strides(shape), offset))
+        views.append(view_at(flat, shape, offset))
         offset += math.prod(shape)
     return views
+
+
+def view_at(flat: torch.Tensor, shape: Sequence[int], offset: int) -> torch.Tensor:
+    """The contiguous view of ``flat`` (contiguous) in ``shape`` from element ``offset`` on;
+    one op (a slice and a ``view`` are two)."""
+    shape = tuple(shape)
+    return flat.as_strided(shape, _contiguous_strides(shape), flat.storage_offset() + offset)
 
 
 @functools.lru_cache(maxsize=None)
