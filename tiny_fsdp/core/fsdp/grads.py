@@ -15,7 +15,7 @@ from torch import nn
 from tiny_fsdp.core.fsdp.sharded_param import shard_info
 from tiny_fsdp.core.unit_grads import UnitGradients
 from tiny_fsdp.core.utils import huge_pages
-from tiny_fsdp.core.utils.storage import packed_views
+from tiny_fsdp.core.utils.storage import packed_views, view_at
 
 
 class ReduceScatterGrads(UnitGradients):
@@ -40,6 +40,13 @@ class ReduceScatterGrads(UnitGradients):
     ) -> None:
         info = shard_info(param)
         world = self.state.world_size
+        if world == 1:  # the shard is the whole tensor: its place, in its shape, in one op
+            region = view_at(buffer, info.full_shape, offset)
+            if grad is None:
+                region.zero_()
+            else:
+                (region.add_ if accumulate else region.copy_)(grad)
+            return
         # buffer.view(world, -1)[:, offset : offset + shard_numel], in one op instead of three
         # (a host call each, per parameter and backward).
         shape, stride = (world, info.shard_numel), (buffer.numel() // world, 1)
