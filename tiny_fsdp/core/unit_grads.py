@@ -52,6 +52,7 @@ from torch import nn
 from tiny_fsdp.core.module.handler import Params, layer_params
 from tiny_fsdp.core.unit_layout import grouped, unit_params
 from tiny_fsdp.core.utils import huge_pages
+from tiny_fsdp.core.utils.storage import view_at
 
 Column = Tuple[int, int]  # (group index, offset of the parameter in its group)
 
@@ -220,6 +221,25 @@ class UnitGradients:
         """Launch the reduction of the averaged ``buffer``, with a part for every parameter
         this rank holds a share of; ``unused``: ids of those this rank gave no gradient."""
         raise NotImplementedError
+
+
+def write_at(
+    buffer: torch.Tensor,
+    shape: Sequence[int],
+    offset: int,
+    grad: Optional[torch.Tensor],
+    accumulate: bool,
+) -> None:
+    """Write (or add) ``grad`` of ``shape`` into ``buffer`` from element ``offset`` on, through
+    one view in its shape (no flattening of the gradient); None: write zeros. For a layout
+    that holds each full gradient whole: ZeRO-3's, FSDP's on one rank."""
+    region = view_at(buffer, shape, offset)
+    if grad is None:
+        region.zero_()
+    elif accumulate:
+        region.add_(grad)
+    else:
+        region.copy_(grad)
 
 
 def _nbytes(tensor: torch.Tensor) -> int:

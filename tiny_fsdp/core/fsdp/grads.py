@@ -13,9 +13,9 @@ import torch
 from torch import nn
 
 from tiny_fsdp.core.fsdp.sharded_param import shard_info
-from tiny_fsdp.core.unit_grads import UnitGradients
+from tiny_fsdp.core.unit_grads import UnitGradients, write_at
 from tiny_fsdp.core.utils import huge_pages
-from tiny_fsdp.core.utils.storage import packed_views, view_at
+from tiny_fsdp.core.utils.storage import packed_views
 
 
 class ReduceScatterGrads(UnitGradients):
@@ -40,12 +40,8 @@ class ReduceScatterGrads(UnitGradients):
     ) -> None:
         info = shard_info(param)
         world = self.state.world_size
-        if world == 1:  # the shard is the whole tensor: its place, in its shape, in one op
-            region = view_at(buffer, info.full_shape, offset)
-            if grad is None:
-                region.zero_()
-            else:
-                (region.add_ if accumulate else region.copy_)(grad)
+        if world == 1:  # the shard is the whole tensor: written whole, as ZeRO-3's
+            write_at(buffer, info.full_shape, offset, grad, accumulate)
             return
         # buffer.view(world, -1)[:, offset : offset + shard_numel], in one op instead of three
         # (a host call each, per parameter and backward).

@@ -19,6 +19,8 @@ from typing import List, Sequence
 import torch
 from torch import Tensor
 
+from tiny_fsdp.core.utils.storage import packed_views
+
 
 def joins_by_default(device: torch.device) -> bool:
     """Whether ``cast_all`` casts a list on ``device`` together: off the CPU."""
@@ -43,9 +45,8 @@ def cast_all(tensors: Sequence[Tensor], dtype: torch.dtype) -> List[Tensor]:
     for i in set(todo).difference(joint):
         out[i] = out[i].to(dtype)
     if joint:
-        sizes = [out[i].numel() for i in joint]
-        flat = torch.empty(sum(sizes), dtype=dtype, device=device)
-        casts = [part.view(out[i].shape) for part, i in zip(flat.split(sizes), joint)]
+        flat = torch.empty(sum(out[i].numel() for i in joint), dtype=dtype, device=device)
+        casts = packed_views(flat, [out[i].shape for i in joint])
         torch._foreach_copy_(casts, [out[i] for i in joint])
         for i, cast in zip(joint, casts):
             out[i] = cast

@@ -13,9 +13,9 @@ import torch
 from torch import nn
 
 from tiny_fsdp.core import comm
-from tiny_fsdp.core.unit_grads import UnitGradients
+from tiny_fsdp.core.unit_grads import UnitGradients, write_at
 from tiny_fsdp.core.utils import huge_pages
-from tiny_fsdp.core.utils.storage import packed_views, view_at
+from tiny_fsdp.core.utils.storage import packed_views
 from tiny_fsdp.core.zero3.runtime import ATTR, owner_and_dtype
 
 
@@ -39,15 +39,7 @@ class ReduceToOwnerGrads(UnitGradients):
         grad: Optional[torch.Tensor],
         accumulate: bool,
     ) -> None:
-        # The parameter's place in the buffer, in its shape: one view op, where a slice of
-        # the buffer and a flattening of the gradient were two.
-        region = view_at(buffer, getattr(param, ATTR).shape, offset)
-        if grad is None:
-            region.zero_()
-        elif accumulate:
-            region.add_(grad)
-        else:
-            region.copy_(grad)
+        write_at(buffer, getattr(param, ATTR).shape, offset, grad, accumulate)
 
     def reduce_group(
         self, group: List[nn.Parameter], buffer: torch.Tensor, unused: FrozenSet[int]

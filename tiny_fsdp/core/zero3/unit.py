@@ -53,7 +53,7 @@ from tiny_fsdp.core import comm
 from tiny_fsdp.core.full_unit import FullUnit, copied_model_error
 from tiny_fsdp.core.streams import GATHER, CommHandle
 from tiny_fsdp.core.unit_layout import grouped, unit_params
-from tiny_fsdp.core.utils.storage import LocalViews, MadeOnce, Memory
+from tiny_fsdp.core.utils.storage import LocalViews, MadeOnce, Memory, packed_views
 from tiny_fsdp.core.zero3.runtime import ATTR, TensorInfo, Zero3Runtime, owner_and_dtype
 
 
@@ -185,8 +185,7 @@ class _GroupBuffer:
         return self._memory
 
     def _full_views(self, flat: torch.Tensor) -> Dict[int, torch.Tensor]:
-        parts = flat.split([shape.numel() for shape in self.shapes])
-        return {i: p.view(s) for i, p, s in zip(self.ids, parts, self.shapes)}
+        return dict(zip(self.ids, packed_views(flat, self.shapes)))
 
     @property
     def nbytes(self) -> int:
